@@ -1,0 +1,16 @@
+"""The reference implementation of kvspec (imports only ``spec``'s protocols and errors)."""
+
+from __future__ import annotations
+
+from impl.block_manager import BlockManager
+from impl.block_pool import BlockPool
+from spec.implementation import Implementation
+
+
+def reference() -> Implementation:
+    """The reference implementation: the default under test."""
+    return Implementation(
+        name="kvspec reference",
+        block_pool=BlockPool,
+        block_manager=BlockManager,
+    )

@@ -1,0 +1,180 @@
+"""The reference block pool: O(1) free queue, reference counts, hash map.
+
+Blocks reaching reference count zero join the free queue's tail; ``allocate``
+pops from the head.  Under ``lru`` the queue is an ``OrderedDict`` (O(1) push,
+pop and removal from the middle when a cached block is hit); under ``lfu`` it
+is a heap keyed by (uses, release order) with lazy deletion.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterator, Sequence
+
+from spec.block_pool import POLICIES, Policy, PoolState
+from spec.errors import InvalidOperation, OutOfBlocks
+
+
+class LRUFreeQueue:
+    """Free blocks in release order; the head is evicted first."""
+
+    def __init__(self, blocks: Sequence[int]) -> None:
+        self._queue: OrderedDict[int, None] = OrderedDict.fromkeys(blocks)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._queue)
+
+    def push(self, block: int, uses: int) -> None:
+        self._queue[block] = None
+
+    def remove(self, block: int) -> None:
+        del self._queue[block]
+
+    def pop(self) -> int:
+        return self._queue.popitem(last=False)[0]
+
+
+class LFUFreeQueue:
+    """Free blocks ordered by (uses, release order); the least used is evicted first."""
+
+    def __init__(self, blocks: Sequence[int]) -> None:
+        self._tick = itertools.count()
+        self._key: dict[int, tuple[int, int]] = {}
+        self._heap: list[tuple[int, int, int]] = []
+        for block in blocks:
+            self.push(block, 0)
+
+    def __len__(self) -> int:
+        return len(self._key)
+
+    def __iter__(self) -> Iterator[int]:
+        return (block for _, _, block in sorted((k + (b,) for b, k in self._key.items())))
+
+    def push(self, block: int, uses: int) -> None:
+        key = (uses, next(self._tick))
+        self._key[block] = key
+        heapq.heappush(self._heap, key + (block,))
+
+    def remove(self, block: int) -> None:
+        del self._key[block]  # its heap entry goes stale and is skipped by pop
+
+    def pop(self) -> int:
+        while True:
+            uses, tick, block = heapq.heappop(self._heap)
+            if self._key.get(block) == (uses, tick):
+                del self._key[block]
+                return block
+
+
+FREE_QUEUES = {"lru": LRUFreeQueue, "lfu": LFUFreeQueue}
+
+
+class BlockPool:
+    """Physical blocks with reference counts, a free queue and a block-hash map."""
+
+    def __init__(self, capacity: int, policy: Policy = "lru") -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise InvalidOperation(f"pool capacity must be a positive int, got {capacity!r}")
+        if policy not in POLICIES:
+            raise InvalidOperation(f"unknown eviction policy {policy!r}; choose from {POLICIES}")
+        self._capacity = capacity
+        self._refcounts = [0] * capacity
+        self._uses = [0] * capacity
+        self._hashes: list[Hashable | None] = [None] * capacity
+        self._cached: dict[Hashable, int] = {}
+        self._free = FREE_QUEUES[policy](range(capacity))
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def refcount(self, block: int) -> int:
+        self._check(block)
+        return self._refcounts[block]
+
+    def allocate(self, n: int) -> list[int]:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InvalidOperation(f"cannot allocate {n!r} blocks")
+        if n > len(self._free):
+            raise OutOfBlocks(n, len(self._free))
+        blocks = [self._free.pop() for _ in range(n)]
+        for block in blocks:
+            self._forget(block)
+            self._refcounts[block] = 1
+            self._uses[block] = 1
+        return blocks
+
+    def share(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            self._check(block)
+            if self._refcounts[block] == 0 and self._hashes[block] is None:
+                raise InvalidOperation(f"block {block} is free and uncached: its contents are gone")
+        for block in blocks:
+            if self._refcounts[block] == 0:
+                self._free.remove(block)
+            self._refcounts[block] += 1
+            self._uses[block] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        for block, times in Counter(blocks).items():
+            self._check(block)
+            if self._refcounts[block] < times:
+                raise InvalidOperation(
+                    f"block {block} released {times} time(s) but holds {self._refcounts[block]} reference(s)"
+                )
+        for block in blocks:
+            self._refcounts[block] -= 1
+            if self._refcounts[block] == 0:
+                self._free.push(block, self._uses[block])
+
+    def register(self, block: int, block_hash: Hashable) -> bool:
+        self._check(block)
+        if block_hash is None:
+            raise InvalidOperation("None is not a block hash")
+        if self._refcounts[block] == 0:
+            raise InvalidOperation(f"block {block} is free: only a block in use can be registered")
+        if self._hashes[block] is not None:
+            raise InvalidOperation(f"block {block} is already registered")
+        if block_hash in self._cached:
+            return False
+        self._hashes[block] = block_hash
+        self._cached[block_hash] = block
+        return True
+
+    def lookup(self, block_hash: Hashable) -> int | None:
+        return self._cached.get(block_hash)
+
+    def evict(self, n: int) -> list[int]:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InvalidOperation(f"cannot evict {n!r} blocks")
+        victims = list(itertools.islice((b for b in self._free if self._hashes[b] is not None), n))
+        for block in victims:
+            self._forget(block)
+        return victims
+
+    def snapshot(self) -> PoolState:
+        return PoolState(
+            capacity=self._capacity,
+            refcounts=tuple(self._refcounts),
+            free_queue=tuple(self._free),
+            block_hashes=tuple(self._hashes),
+            cached=dict(self._cached),
+        )
+
+    def _forget(self, block: int) -> None:
+        block_hash = self._hashes[block]
+        if block_hash is not None:
+            del self._cached[block_hash]
+            self._hashes[block] = None
+
+    def _check(self, block: object) -> None:
+        if not isinstance(block, int) or isinstance(block, bool) or not 0 <= block < self._capacity:
+            raise InvalidOperation(f"block {block!r} is not a block of this pool (0..{self._capacity - 1})")

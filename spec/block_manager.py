@@ -1,0 +1,371 @@
+"""Layer 2 -- the block manager: sequences, block tables, fork and copy-on-write.
+
+Rules (vLLM §4.2-4.4 and §5, lecture §4-5):
+
+* A sequence is a list of token ids.  Its KV lives in blocks of ``block_size``
+  (B) slots; its *block table* lists the physical blocks that hold logical
+  blocks 0, 1, 2, ...  Token ``i`` lives in slot ``i mod B`` of block
+  ``table[i div B]``.
+* ``add_sequence(seq, prompt)`` allocates on demand: ceil(len/B) blocks and
+  no more (no reservation for tokens not yet generated).
+* ``append(seq, tokens)`` writes each token into the next slot.  A full last
+  block (or an empty table) first gets a new block.  A partially filled last
+  block that other tables share (reference count > 1) is first **copied**:
+  the writer gets a private copy of the filled slots and drops its reference
+  to the original (copy-on-write).  Full shared blocks are never written, so
+  they are never copied.
+* ``fork(parent, child)`` gives the child the parent's table: every block is
+  shared (count + 1) and none is allocated.
+* ``free(seq)`` releases the table's blocks, last block first.
+* ``move_sequences(src, dst, seqs)`` moves a group of sequences to another
+  device's manager (swap): all of their distinct blocks are copied into freshly
+  allocated blocks of ``dst`` -- all or nothing -- the sharing inside the
+  group is kept, and the blocks are released in ``src``.
+* Every operation is all or nothing: ``OutOfBlocks`` or ``InvalidOperation``
+  leaves the manager and its pool as they were.
+
+Slots hold the token ids written to them, so reading a sequence back through
+its table is a real check of where its data lives: a missing copy shows up as
+another sequence's token.
+
+Invariants (checked after every step; the pool's invariants also hold, with
+the holders of a block being the table entries that name it):
+
+* ``invariant_read_back_exact`` -- reading through the table yields the tokens.
+* ``invariant_waste_bounded`` -- at most B-1 unused slots per sequence.
+* ``invariant_table_length_exact`` -- len(table) = ceil(len(tokens) / B).
+* ``invariant_fork_allocates_nothing`` -- a fork shares and never allocates.
+* ``invariant_copy_on_write_exact`` -- a write copies iff it lands in a
+  shared, partially filled block, and then exactly once.
+* ``invariant_parallel_sampling_copies`` -- n sequences sharing a half-full
+  last block make n-1 copies between them, none if the prompt fills whole
+  blocks (lecture exercise 4).
+* ``invariant_manager_refines_spec`` -- the implementation is in the model's state.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from spec import block_pool
+from spec.block_pool import Pool, PoolState
+from spec.errors import InvalidOperation
+from spec.invariants import invariant
+
+SeqId = Hashable
+
+
+@attrs.frozen
+class ManagerState:
+    """The abstract state of a block manager: what ``snapshot()`` returns."""
+
+    block_size: int
+    pool: PoolState
+    tables: Mapping[SeqId, tuple[int, ...]]
+    tokens: Mapping[SeqId, tuple[int, ...]]
+    contents: Mapping[int, tuple[int, ...]]  # every block in use or cached -> tokens in its slots
+
+
+@attrs.frozen
+class WritePlan:
+    """What a write did, for a KV store that must mirror it.
+
+    ``copies`` are (source, destination) blocks copied before the writes
+    (copy-on-write); ``slots`` are the (block, offset) of each token written, in
+    order; ``cached_tokens`` leading prompt tokens were reused, not written.
+    """
+
+    copies: tuple[tuple[int, int], ...] = ()
+    slots: tuple[tuple[int, int], ...] = ()
+    cached_tokens: int = 0
+
+
+@runtime_checkable
+class BlockManager(Protocol):
+    """What a block manager offers; ``pool`` is the block pool it allocates from."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def pool(self) -> block_pool.BlockPool: ...
+    def add_sequence(self, seq: SeqId, prompt: Sequence[int]) -> WritePlan: ...
+    def append(self, seq: SeqId, tokens: Sequence[int]) -> WritePlan: ...
+    def fork(self, parent: SeqId, child: SeqId) -> None: ...
+    def free(self, seq: SeqId) -> None: ...
+    def read(self, seq: SeqId) -> tuple[int, ...]: ...
+    def block_table(self, seq: SeqId) -> tuple[int, ...]: ...
+    def sequences(self) -> tuple[SeqId, ...]: ...
+    def move_sequences(self, dst: BlockManager, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]: ...
+    def snapshot(self) -> ManagerState: ...
+
+
+# -- the model -------------------------------------------------------------------
+
+
+@attrs.frozen
+class Manager:
+    """The spec's model of a block manager."""
+
+    block_size: int
+    pool: Pool
+    tables: Mapping[SeqId, tuple[int, ...]]
+    tokens: Mapping[SeqId, tuple[int, ...]]
+    contents: Mapping[int, tuple[int, ...]]
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """ceil(num_tokens / block_size): the blocks a sequence of that length occupies."""
+    return -(-num_tokens // block_size)
+
+
+def check_block_size(block_size: object) -> int:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise InvalidOperation(f"block size must be a positive int, got {block_size!r}")
+    return block_size
+
+
+def check_tokens(tokens: object, *, allow_empty: bool) -> tuple[int, ...]:
+    """Token ids are non-negative integers; a prompt has at least one."""
+    if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
+        raise InvalidOperation(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+    for token in tokens:
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0:
+            raise InvalidOperation(f"token {token!r} is not a non-negative integer id")
+    if not tokens and not allow_empty:
+        raise InvalidOperation("a prompt needs at least one token")
+    return tuple(int(t) for t in tokens)
+
+
+def new_manager(block_size: int, pool: Pool) -> Manager:
+    return Manager(block_size=check_block_size(block_size), pool=pool, tables={}, tokens={}, contents={})
+
+
+def abstract(manager: Manager) -> ManagerState:
+    pool = block_pool.abstract(manager.pool)
+    live = {b: c for b, c in manager.contents.items() if pool.refcounts[b] > 0 or pool.block_hashes[b] is not None}
+    return ManagerState(
+        block_size=manager.block_size,
+        pool=pool,
+        tables=dict(manager.tables),
+        tokens=dict(manager.tokens),
+        contents=live,
+    )
+
+
+def holders(tables: Mapping[SeqId, Sequence[int]]) -> Counter[int]:
+    """How many table entries name each block: what its reference count must be."""
+    return Counter(block for table in tables.values() for block in table)
+
+
+def require_live(manager: Manager, seq: SeqId) -> None:
+    if seq not in manager.tables:
+        raise InvalidOperation(f"sequence {seq!r} does not exist (never added, or freed)")
+
+
+def require_new(manager: Manager, seq: SeqId) -> None:
+    if not isinstance(seq, Hashable) or seq in manager.tables:
+        raise InvalidOperation(f"sequence {seq!r} already exists")
+
+
+def add_sequence(manager: Manager, seq: SeqId, prompt: Sequence[int]) -> tuple[Manager, WritePlan]:
+    """Admit a sequence: ceil(len/B) new blocks holding the prompt."""
+    prompt = check_tokens(prompt, allow_empty=False)
+    require_new(manager, seq)
+    return write(start_sequence(manager, seq, ()), seq, prompt)
+
+
+def start_sequence(manager: Manager, seq: SeqId, shared_blocks: Sequence[int]) -> Manager:
+    """A new sequence whose table starts with ``shared_blocks`` (already shared; full)."""
+    tokens = tuple(t for b in shared_blocks for t in manager.contents[b])
+    return attrs.evolve(
+        manager,
+        tables={**manager.tables, seq: tuple(shared_blocks)},
+        tokens={**manager.tokens, seq: tokens},
+    )
+
+
+def append(manager: Manager, seq: SeqId, tokens: Sequence[int]) -> tuple[Manager, WritePlan]:
+    """Write ``tokens`` after the sequence's last token, copying a shared last block first."""
+    tokens = check_tokens(tokens, allow_empty=True)
+    require_live(manager, seq)
+    return write(manager, seq, tokens)
+
+
+def write(manager: Manager, seq: SeqId, tokens: tuple[int, ...]) -> tuple[Manager, WritePlan]:
+    """The one write path: on-demand allocation and copy-on-write, token by token."""
+    block_size, pool = manager.block_size, manager.pool
+    table, written = list(manager.tables[seq]), manager.tokens[seq]
+    contents = dict(manager.contents)
+    copies, slots = [], []
+    for token in tokens:
+        offset = len(written) % block_size
+        if offset == 0:
+            pool, (block,) = block_pool.allocate(pool, 1)
+            contents[block] = ()
+            table.append(block)
+        elif pool.refcounts[table[-1]] > 1:
+            pool, (copy,) = block_pool.allocate(pool, 1)
+            contents[copy] = contents[table[-1]][:offset]
+            pool = block_pool.release(pool, [table[-1]])
+            copies.append((table[-1], copy))
+            table[-1] = copy
+        block = table[-1]
+        contents[block] = contents[block][:offset] + (token,)
+        slots.append((block, offset))
+        written += (token,)
+    manager = attrs.evolve(
+        manager,
+        pool=pool,
+        tables={**manager.tables, seq: tuple(table)},
+        tokens={**manager.tokens, seq: written},
+        contents=contents,
+    )
+    return manager, WritePlan(copies=tuple(copies), slots=tuple(slots))
+
+
+def fork(manager: Manager, parent: SeqId, child: SeqId) -> Manager:
+    """The child shares every block of the parent; nothing is allocated."""
+    require_live(manager, parent)
+    require_new(manager, child)
+    pool = block_pool.share(manager.pool, manager.tables[parent])
+    return attrs.evolve(
+        manager,
+        pool=pool,
+        tables={**manager.tables, child: manager.tables[parent]},
+        tokens={**manager.tokens, child: manager.tokens[parent]},
+    )
+
+
+def free(manager: Manager, seq: SeqId) -> Manager:
+    """Release the sequence's blocks, last block first, and forget it."""
+    require_live(manager, seq)
+    pool = block_pool.release(manager.pool, manager.tables[seq][::-1])
+    return attrs.evolve(
+        manager,
+        pool=pool,
+        tables={s: t for s, t in manager.tables.items() if s != seq},
+        tokens={s: t for s, t in manager.tokens.items() if s != seq},
+    )
+
+
+def read(manager: Manager, seq: SeqId) -> tuple[int, ...]:
+    require_live(manager, seq)
+    return read_through_table(manager.contents, manager.tables[seq], len(manager.tokens[seq]), manager.block_size)
+
+
+def read_through_table(
+    contents: Mapping[int, Sequence[int]], table: Sequence[int], length: int, block_size: int
+) -> tuple[int | None, ...]:
+    """Token i from slot i mod B of block table[i div B]; None where no token was written."""
+    out: list[int | None] = []
+    for i in range(length):
+        index = i // block_size
+        block_contents = contents.get(table[index], ()) if index < len(table) else ()
+        offset = i % block_size
+        out.append(block_contents[offset] if offset < len(block_contents) else None)
+    return tuple(out)
+
+
+def move_sequences(
+    src: Manager, dst: Manager, seqs: Sequence[SeqId]
+) -> tuple[Manager, Manager, tuple[tuple[int, int], ...]]:
+    """Move a group of sequences from ``src`` to ``dst``, all or nothing, keeping their sharing.
+
+    Returns the (source block, destination block) copies, in order of first use.
+    """
+    if len(set(seqs)) != len(seqs) or not seqs:
+        raise InvalidOperation(f"a group to move needs distinct sequences, got {list(seqs)!r}")
+    for seq in seqs:
+        require_live(src, seq)
+        require_new(dst, seq)
+    if src.block_size != dst.block_size:
+        raise InvalidOperation(f"block sizes differ: {src.block_size} and {dst.block_size}")
+    distinct = list(dict.fromkeys(b for seq in seqs for b in src.tables[seq]))
+    dst_pool, fresh = block_pool.allocate(dst.pool, len(distinct))
+    mapping = dict(zip(distinct, fresh, strict=True))
+    group_holders = holders({seq: src.tables[seq] for seq in seqs})
+    dst_pool = block_pool.share(dst_pool, [mapping[b] for b, n in group_holders.items() for _ in range(n - 1)])
+    contents = dict(dst.contents)
+    for old, new in mapping.items():
+        contents[new] = src.contents[old]
+    moved_tables = {seq: tuple(mapping[b] for b in src.tables[seq]) for seq in seqs}
+    dst = attrs.evolve(
+        dst,
+        pool=dst_pool,
+        tables={**dst.tables, **moved_tables},
+        tokens={**dst.tokens, **{seq: src.tokens[seq] for seq in seqs}},
+        contents=contents,
+    )
+    for seq in seqs:
+        src = free(src, seq)
+    return src, dst, tuple(mapping.items())
+
+
+# -- invariants over snapshots ---------------------------------------------------
+
+
+@invariant("a sequence must read back exactly its own tokens; anything else is another sequence's data (CoW isolation)")
+def invariant_read_back_exact(state: ManagerState) -> str | None:
+    for seq, tokens in state.tokens.items():
+        got = read_through_table(state.contents, state.tables.get(seq, ()), len(tokens), state.block_size)
+        if got != tokens:
+            return f"sequence {seq!r} reads back {got}, its tokens are {tokens}"
+    return None
+
+
+@invariant("paging promises waste only in the last block: at most B-1 unused slots per sequence")
+def invariant_waste_bounded(state: ManagerState) -> str | None:
+    for seq, tokens in state.tokens.items():
+        waste = len(state.tables.get(seq, ())) * state.block_size - len(tokens)
+        if waste > state.block_size - 1:
+            return f"sequence {seq!r} wastes {waste} slots with block size {state.block_size}"
+    return None
+
+
+@invariant("on-demand allocation: a sequence holds exactly the blocks its tokens need, no reservation")
+def invariant_table_length_exact(state: ManagerState) -> str | None:
+    for seq, tokens in state.tokens.items():
+        table = state.tables.get(seq, ())
+        if len(table) != blocks_for(len(tokens), state.block_size):
+            return f"sequence {seq!r} has {len(tokens)} tokens in {len(table)} blocks of {state.block_size}"
+    if set(state.tables) != set(state.tokens):
+        return f"tables for {sorted(map(repr, state.tables))}, tokens for {sorted(map(repr, state.tokens))}"
+    return None
+
+
+@invariant("forking is what makes parallel sampling and beam search cheap: it must share, not allocate")
+def invariant_fork_allocates_nothing(
+    before: ManagerState, after: ManagerState, parent: SeqId, child: SeqId
+) -> str | None:
+    if after.pool.num_free != before.pool.num_free:
+        return f"fork changed the free blocks from {before.pool.num_free} to {after.pool.num_free}"
+    if after.tables.get(child) != before.tables[parent]:
+        return f"child table {after.tables.get(child)} is not the parent's {before.tables[parent]}"
+    return None
+
+
+@invariant("a copy is needed only to write into a shared partial block; more wastes memory, fewer corrupts a sibling")
+def invariant_copy_on_write_exact(expected: Sequence[tuple[int, int]], actual: Sequence[tuple[int, int]]) -> str | None:
+    if len(expected) != len(actual):
+        return f"the write needed {len(expected)} copy-on-write copies, the implementation made {len(actual)}"
+    return None
+
+
+@invariant("lecture exercise 4: n samples sharing a half-full block copy it n-1 times, never when blocks are full")
+def invariant_parallel_sampling_copies(n: int, prompt_len: int, block_size: int, copies: int) -> str | None:
+    expected = n - 1 if prompt_len % block_size else 0
+    if copies != expected:
+        return f"{n} samples of a {prompt_len}-token prompt (B={block_size}) made {copies} copies, expected {expected}"
+    return None
+
+
+@invariant("the implementation must be in exactly the state the specification model predicts")
+def invariant_manager_refines_spec(actual: ManagerState, expected: ManagerState) -> str | None:
+    if actual != expected:
+        return block_pool.diff_states(actual, expected)
+    return None

@@ -1,0 +1,48 @@
+"""What an implementation under test hands the conformance suite.
+
+Rules:
+
+* An implementation is named by ``module:factory``; the factory takes no
+  arguments and returns an ``Implementation``.  ``pytest --kv-impl=...``,
+  ``KVSPEC_IMPL=...`` and ``kvspec check --impl ...`` all take that form.
+* ``block_pool`` is required: ``block_pool(capacity, policy)`` returns a
+  ``spec.block_pool.BlockPool``.  Every other component is optional; one left
+  as ``None`` is taken from the reference implementation and run on top of
+  this implementation's pool -- so an alternative allocator alone is enough
+  to run every machine.
+* ``block_manager(pool, block_size)`` returns a ``spec.block_manager.BlockManager``.
+* Later layers add their own factories here, each documented in the spec
+  module that defines its protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from spec.block_manager import BlockManager
+from spec.block_pool import BlockPool, Policy
+
+
+@attrs.frozen
+class Implementation:
+    """Factories for each layer; ``None`` means "use the reference's on top of my pool"."""
+
+    name: str
+    block_pool: Callable[[int, Policy], BlockPool]
+    block_manager: Callable[[BlockPool, int], BlockManager] | None = None
+    prefix_caching_manager: Callable[..., Any] | None = None  # see spec.prefix_cache
+    radix_cache: Callable[..., Any] | None = None  # see spec.radix_cache
+    scheduler: Callable[..., Any] | None = None  # see spec.scheduler
+    paged_kv_cache: Callable[..., Any] | None = None  # see spec.paged_attention
+
+    def complete_with(self, reference: Implementation) -> Implementation:
+        """Fill every component this implementation leaves out from ``reference``."""
+        filled = {
+            field.name: getattr(reference, field.name)
+            for field in attrs.fields(Implementation)
+            if getattr(self, field.name) is None
+        }
+        return attrs.evolve(self, **filled)
