@@ -55,7 +55,7 @@ import attrs
 from spec import block_pool
 from spec.block_pool import Pool, PoolState
 from spec.errors import InvalidOperation
-from spec.invariants import invariant
+from spec.invariants import diff_states, invariant
 
 SeqId = Hashable
 
@@ -367,5 +367,5 @@ def invariant_parallel_sampling_copies(n: int, prompt_len: int, block_size: int,
 @invariant("the implementation must be in exactly the state the specification model predicts")
 def invariant_manager_refines_spec(actual: ManagerState, expected: ManagerState) -> str | None:
     if actual != expected:
-        return block_pool.diff_states(actual, expected)
+        return diff_states(actual, expected)
     return None

@@ -46,7 +46,6 @@ Invariants (checked after every step by ``properties.machines``):
 * ``invariant_in_use_never_reclaimed`` -- allocation and eviction touch only
   free blocks.
 * ``invariant_eviction_order`` -- allocation and eviction follow the policy.
-* ``invariant_failed_operation_changes_nothing`` -- errors are side-effect free.
 * ``invariant_pool_refines_spec`` -- the implementation's state is the model's.
 """
 
@@ -59,7 +58,7 @@ from typing import Literal, Protocol, runtime_checkable
 import attrs
 
 from spec.errors import InvalidOperation, OutOfBlocks
-from spec.invariants import invariant
+from spec.invariants import diff_states, invariant
 
 Policy = Literal["lru", "lfu"]
 POLICIES: tuple[Policy, ...] = ("lru", "lfu")
@@ -327,25 +326,8 @@ def invariant_eviction_order(expected: Sequence[int], actual: Sequence[int]) -> 
     return None
 
 
-@invariant("a rejected operation must leave no trace, so that the caller can recover and retry")
-def invariant_failed_operation_changes_nothing(before: object, after: object) -> str | None:
-    if before != after:
-        return f"state changed by a failed operation:\n  before {before}\n  after  {after}"
-    return None
-
-
 @invariant("the implementation must be in exactly the state the specification model predicts")
 def invariant_pool_refines_spec(actual: PoolState, expected: PoolState) -> str | None:
     if actual != expected:
         return diff_states(actual, expected)
     return None
-
-
-def diff_states(actual: object, expected: object) -> str:
-    """Name the fields in which two attrs records differ."""
-    parts = []
-    for field in attrs.fields(type(expected)):
-        a, e = getattr(actual, field.name), getattr(expected, field.name)
-        if a != e:
-            parts.append(f"{field.name}: implementation {a!r}, spec {e!r}")
-    return "; ".join(parts) or f"{actual!r} != {expected!r}"

@@ -36,3 +36,8 @@ class InvalidOperation(KVSpecError):
 
 class RequestTooLarge(InvalidOperation):
     """A request that could not fit the device even alone; rejected at arrival."""
+
+
+def verdict(error: BaseException | None) -> str:
+    """How an operation ended: 'ok', or the name of the error class it raised."""
+    return "ok" if error is None else type(error).__name__

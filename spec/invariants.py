@@ -8,6 +8,11 @@ Rules:
 * Each invariant is declared exactly once, with ``@invariant(why)``, in the
   ``spec`` module of the layer it belongs to.  Its name is the function's
   name; the registry refuses a second declaration of the same name.
+* Two invariants hold for every layer and live here: an implementation
+  rejects exactly what the spec rejects, with the same error class
+  (``invariant_verdict_matches_spec``) and answers what the spec answers
+  (``invariant_result_matches_spec``), and a rejected operation changes
+  nothing (``invariant_failed_operation_changes_nothing``).
 * Property suites, the conformance report and the meta-tests refer to an
   invariant only by that name, so a failure always says which rule broke and
   why the rule exists.
@@ -68,3 +73,35 @@ def require(name: str, *args: Any) -> None:
     problem = REGISTRY[name].check(*args)
     if problem is not None:
         raise InvariantViolation(name, problem)
+
+
+@invariant("a caller must be able to tell retry-later (out of blocks) from never (invalid) exactly as the spec does")
+def invariant_verdict_matches_spec(expected: str, actual: str) -> str | None:
+    """``expected`` and ``actual`` are verdicts: 'ok' or the typed error's class name."""
+    if expected != actual:
+        return f"the spec's verdict is {expected}, the implementation's is {actual}"
+    return None
+
+
+@invariant("callers act on what an operation answers (a lookup's block, a read's tokens): it must be the spec's answer")
+def invariant_result_matches_spec(expected: object, actual: object) -> str | None:
+    if expected != actual:
+        return f"the spec answers {expected!r}, the implementation {actual!r}"
+    return None
+
+
+@invariant("a rejected operation must leave no trace, so that the caller can recover and retry")
+def invariant_failed_operation_changes_nothing(before: object, after: object) -> str | None:
+    if before != after:
+        return f"state changed by a failed operation:\n  before {before}\n  after  {after}"
+    return None
+
+
+def diff_states(actual: object, expected: object) -> str:
+    """Name the fields in which two attrs records differ."""
+    parts = []
+    for field in attrs.fields(type(expected)):
+        a, e = getattr(actual, field.name), getattr(expected, field.name)
+        if a != e:
+            parts.append(f"{field.name}: implementation {a!r}, spec {e!r}")
+    return "; ".join(parts) or f"{actual!r} != {expected!r}"

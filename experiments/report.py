@@ -1,0 +1,50 @@
+"""Printing for experiments: aligned tables, ``--json`` output, progress on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def format_cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e-3 and value != 0 else f"{value:,.2f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], title: str | None = None) -> str:
+    """An aligned text table: text columns left-aligned, numbers right-aligned."""
+    raw = [list(row) for row in rows]
+    cells = [[format_cell(v) for v in row] for row in raw]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [
+        all(isinstance(r[i], int | float) and not isinstance(r[i], bool) for r in raw) for i in range(len(headers))
+    ]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True))
+
+    out = [title] if title else []
+    out += [line(headers), line(["-" * w for w in widths])]
+    out += [line(r) for r in cells]
+    return "\n".join(s.rstrip() for s in out)
+
+
+def emit_json(payload: Any) -> None:
+    json.dump(payload, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def progress(items: Sequence[T], label: str) -> Iterator[T]:
+    """Yield items while showing 'label i/n' on stderr (only when stderr is a terminal or CI)."""
+    total = len(items)
+    for i, item in enumerate(items, 1):
+        print(f"\r{label} {i}/{total}", end="", file=sys.stderr, flush=True)
+        yield item
+    print(file=sys.stderr)

@@ -1,0 +1,90 @@
+"""Broken block managers: each breaks one rule of ``spec.block_manager`` and must be caught."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from impl import reference
+from impl.block_manager import BlockManager
+from spec.block_manager import SeqId, WritePlan
+from spec.implementation import Implementation
+
+
+class NoCopyOnWrite(BlockManager):
+    """Writes straight into a shared partial block."""
+
+    def _needs_copy(self, seq: SeqId) -> bool:
+        return False
+
+
+class CopiesWrongBlock(BlockManager):
+    """Copy-on-write copies the sequence's first block instead of its last."""
+
+    def _copy_last_block(self, seq: SeqId) -> tuple[int, int]:
+        source, copy = super()._copy_last_block(seq)
+        first = self._tables[seq][0] if len(self._tables[seq]) > 1 else source
+        self._contents[copy] = self._contents[first][: len(self._contents[copy])]
+        return source, copy
+
+
+class ForkWithoutShare(BlockManager):
+    """Copies the parent's table without taking references on its blocks."""
+
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        table = self._table(parent)
+        self._require_new(child)
+        self._tables[child] = list(table)
+        self._tokens[child] = list(self._tokens[parent])
+
+
+class ReservesAheadBlock(BlockManager):
+    """Reserves one spare block per new sequence "for the tokens to come"."""
+
+    def add_sequence(self, seq: SeqId, prompt: Sequence[int]) -> WritePlan:
+        plan = super().add_sequence(seq, prompt)
+        if self._pool.num_free():
+            self._tables[seq].extend(self._pool.allocate(1))
+        return plan
+
+
+class FreesFirstBlockFirst(BlockManager):
+    """Releases a table front to back, so a sequence's shared prefix is evicted first."""
+
+    def free(self, seq: SeqId) -> None:
+        self._pool.release(self._table(seq))
+        del self._tables[seq], self._tokens[seq]
+
+
+class AppendNotAtomic(BlockManager):
+    """Writes as far as the free blocks go before running out."""
+
+    def _ensure_room(self, needed: int) -> None:
+        """No check: ``_write`` raises part-way instead."""
+
+
+def _with_manager(name: str, manager: type[BlockManager]) -> Implementation:
+    return Implementation(name=name, block_pool=reference().block_pool, block_manager=manager)
+
+
+def no_copy_on_write() -> Implementation:
+    return _with_manager("broken: copy-on-write missing", NoCopyOnWrite)
+
+
+def copies_wrong_block() -> Implementation:
+    return _with_manager("broken: copy-on-write copies the wrong block", CopiesWrongBlock)
+
+
+def fork_without_share() -> Implementation:
+    return _with_manager("broken: fork does not increment refcounts", ForkWithoutShare)
+
+
+def reserves_ahead_block() -> Implementation:
+    return _with_manager("broken: waste bound broken by reservation", ReservesAheadBlock)
+
+
+def frees_first_block_first() -> Implementation:
+    return _with_manager("broken: frees a table front to back", FreesFirstBlockFirst)
+
+
+def append_not_atomic() -> Implementation:
+    return _with_manager("broken: failed append not rolled back", AppendNotAtomic)

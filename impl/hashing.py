@@ -1,0 +1,50 @@
+"""Chained block hashes: stable across processes and runs, collision-resistant.
+
+``hash_block(parent, tokens, extra_key)`` is BLAKE2b-128 over a canonical,
+length-prefixed encoding of the parent hash, the block's token ids and the
+extra key, so no two different inputs share an encoding.  Python's ``hash()``
+is salted per process and only 64 bits wide: a cache shared between processes
+(or a long-lived one) would silently merge prefixes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from spec.prefix_cache import ExtraKey, check_extra_key
+
+BlockHash = bytes
+ROOT: BlockHash = hashlib.blake2b(b"kvspec prefix cache root", digest_size=16).digest()
+
+
+def encode(value: ExtraKey) -> bytes:
+    """A canonical, self-delimiting encoding of an extra key (or token ids)."""
+    if value is None:
+        return b"N"
+    if isinstance(value, int):
+        text = str(value).encode()
+        return b"I" + len(text).to_bytes(2, "big") + text
+    if isinstance(value, str):
+        value = value.encode()
+        return b"S" + len(value).to_bytes(8, "big") + value
+    if isinstance(value, bytes):
+        return b"B" + len(value).to_bytes(8, "big") + value
+    parts = b"".join(encode(part) for part in value)
+    return b"T" + len(value).to_bytes(8, "big") + parts
+
+
+def hash_block(parent: BlockHash, tokens: Sequence[int], extra_key: ExtraKey = None) -> BlockHash:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(encode(tuple(tokens)))
+    digest.update(encode(check_extra_key(extra_key)))
+    return digest.digest()
+
+
+def chain(tokens: Sequence[int], block_size: int, extra_key: ExtraKey = None) -> tuple[BlockHash, ...]:
+    """The hash of every full block of ``tokens``, each chained on the one before."""
+    hashes, parent = [], ROOT
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash_block(parent, tokens[start : start + block_size], extra_key)
+        hashes.append(parent)
+    return tuple(hashes)

@@ -1,0 +1,100 @@
+"""The reference prefix-caching block manager (spec.prefix_cache).
+
+A subclass of the reference ``BlockManager``: admission looks the prompt's
+chained hashes up in the pool's hash map and shares the leading run of hits;
+``_block_filled`` registers each block under its hash the moment it fills.
+Each sequence keeps the hashes of its full blocks, so a fill hashes one block
+(chained on the previous hash) instead of the whole prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import attrs
+
+from impl.block_manager import BlockManager
+from impl.hashing import ROOT, BlockHash, hash_block
+from spec.block_manager import SeqId, WritePlan, blocks_for, check_tokens
+from spec.block_pool import BlockPool as BlockPoolProtocol
+from spec.errors import OutOfBlocks
+from spec.prefix_cache import ExtraKey, check_extra_key, max_hit_blocks
+
+
+class PrefixCachingBlockManager(BlockManager):
+    """Block tables whose full blocks are cached in the pool under chained hashes."""
+
+    def __init__(self, pool: BlockPoolProtocol, block_size: int) -> None:
+        super().__init__(pool, block_size)
+        self._extra_keys: dict[SeqId, ExtraKey] = {}
+        self._chains: dict[SeqId, list[BlockHash]] = {}
+
+    def block_hashes(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[Hashable, ...]:
+        tokens, extra_key = check_tokens(tokens, allow_empty=True), check_extra_key(extra_key)
+        size, parent, hashes = self._block_size, ROOT, []
+        for start in range(0, len(tokens) - size + 1, size):
+            parent = self._hash(parent, tokens[start : start + size], extra_key)
+            hashes.append(parent)
+        return tuple(hashes)
+
+    def cached_prefix(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
+        hits = []
+        for block_hash in self.block_hashes(tokens, extra_key):
+            block = self._pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return tuple(hits)
+
+    def evict(self, n: int) -> list[int]:
+        return self._pool.evict(n)
+
+    def add_sequence(self, seq: SeqId, prompt: Sequence[int], extra_key: ExtraKey = None) -> WritePlan:
+        prompt, extra_key = check_tokens(prompt, allow_empty=False), check_extra_key(extra_key)
+        self._require_new(seq)
+        hashes = self.block_hashes(prompt, extra_key)
+        hits = self._hits(prompt, extra_key)
+        revived = sum(1 for block in hits if self._pool.refcount(block) == 0)
+        needed, room = blocks_for(len(prompt), self._block_size) - len(hits), self._pool.num_free() - revived
+        if needed > room:
+            raise OutOfBlocks(needed, room)
+        self._pool.share(hits)
+        cached = len(hits) * self._block_size
+        self._tables[seq], self._tokens[seq] = list(hits), list(prompt[:cached])
+        self._extra_keys[seq], self._chains[seq] = extra_key, list(hashes[: len(hits)])
+        plan = self._write(seq, prompt[cached:])
+        return attrs.evolve(plan, cached_tokens=self._cached_tokens(prompt, extra_key, hits))
+
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        super().fork(parent, child)
+        self._extra_keys[child], self._chains[child] = self._extra_keys[parent], list(self._chains[parent])
+
+    def free(self, seq: SeqId) -> None:
+        super().free(seq)
+        del self._extra_keys[seq], self._chains[seq]
+
+    def move_sequences(self, dst: BlockManager, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]:
+        keys = {seq: (self._extra_keys.get(seq), list(self._chains.get(seq, []))) for seq in seqs}
+        copies = super().move_sequences(dst, seqs)
+        if isinstance(dst, PrefixCachingBlockManager):
+            for seq, (extra_key, chain) in keys.items():
+                dst._extra_keys[seq], dst._chains[seq] = extra_key, chain
+        return copies
+
+    # -- hooks for the zoo's variations ----------------------------------------------
+
+    def _hash(self, parent: BlockHash, tokens: Sequence[int], extra_key: ExtraKey) -> BlockHash:
+        return hash_block(parent, tokens, extra_key)
+
+    def _hits(self, prompt: Sequence[int], extra_key: ExtraKey) -> tuple[int, ...]:
+        return self.cached_prefix(prompt, extra_key)[: max_hit_blocks(len(prompt), self._block_size)]
+
+    def _cached_tokens(self, prompt: Sequence[int], extra_key: ExtraKey, hits: Sequence[int]) -> int:
+        return len(hits) * self._block_size
+
+    def _block_filled(self, seq: SeqId, index: int) -> None:
+        chain, size = self._chains[seq], self._block_size
+        parent = chain[index - 1] if index else ROOT
+        block_hash = self._hash(parent, self._tokens[seq][index * size : (index + 1) * size], self._extra_keys[seq])
+        chain.append(block_hash)
+        self._pool.register(self._tables[seq][index], block_hash)

@@ -1,0 +1,192 @@
+"""Lockstep machines: drive an implementation and the spec model side by side.
+
+A machine in ``properties/`` is written once, against ``LockstepMachine``, and
+bound to an implementation with ``Machine.bind(implementation)`` -- the same
+rules then run against the reference, a user's allocator or a broken member
+of the zoo (as Hypothesis's provider conformance test does).  Every
+operation goes through ``lockstep``: the spec transition and the
+implementation call must agree on the verdict, and a rejected operation must
+leave the implementation's snapshot untouched.  Invariants are evaluated by
+name (``check``), so a failure always names the rule that broke; the steps
+recorded with ``record`` are the shrunk operation sequence shown with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+import attrs
+from hypothesis import Phase, event
+from hypothesis import settings as Settings
+from hypothesis.errors import Flaky
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+
+from spec.errors import KVSpecError, verdict
+from spec.implementation import Implementation
+from spec.invariants import InvariantViolation, require
+
+REFERENCE = "impl:reference"
+ENVIRONMENT_VARIABLE = "KVSPEC_IMPL"
+
+T = TypeVar("T")
+U = TypeVar("U")
+M = TypeVar("M", bound="LockstepMachine")
+
+
+class BadImplementation(Exception):
+    """The ``module:factory`` given for the implementation under test is unusable."""
+
+
+def load_implementation(path: str) -> Implementation:
+    """Import ``module:factory``, call it, and fill missing components from the reference."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise BadImplementation(f"expected module:factory, got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise BadImplementation(f"cannot import {module_name!r}: {error}") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise BadImplementation(f"{module_name!r} has no callable {attribute!r}")
+    implementation = factory()
+    if not isinstance(implementation, Implementation):
+        raise BadImplementation(
+            f"{path} returned {type(implementation).__name__}, not spec.implementation.Implementation"
+        )
+    if path != REFERENCE:
+        implementation = implementation.complete_with(load_implementation(REFERENCE))
+    return implementation
+
+
+_selected: dict[str, Implementation] = {}
+
+
+def select(path: str | None) -> tuple[str, Implementation]:
+    """Choose the implementation under test: ``path``, else ``$KVSPEC_IMPL``, else the reference."""
+    path = path or os.environ.get(ENVIRONMENT_VARIABLE) or REFERENCE
+    _selected.clear()
+    _selected[path] = load_implementation(path)
+    return path, _selected[path]
+
+
+def implementation_under_test() -> Implementation:
+    if not _selected:
+        select(None)
+    return next(iter(_selected.values()))
+
+
+class LockstepMachine(RuleBasedStateMachine):
+    """Base of every conformance machine; see the module docstring."""
+
+    implementation: ClassVar[Implementation]
+    last_steps: ClassVar[tuple[str, ...]] = ()
+    runs: ClassVar[int] = 0
+    steps_explored: ClassVar[int] = 0
+    checks: ClassVar[Counter[str]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[str] = []
+        type(self).runs += 1
+
+    @classmethod
+    def bind(cls: type[M], implementation: Implementation) -> type[M]:
+        """A subclass of this machine that runs against ``implementation``."""
+        namespace = {
+            "implementation": implementation,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "checks": Counter(),
+        }
+        return type(cls.__name__, (cls,), namespace)
+
+    def record(self, text: str) -> None:
+        self.steps.append(text)
+        type(self).steps_explored += 1
+
+    def check(self, name: str, *args: Any) -> None:
+        type(self).checks[name] += 1
+        require(name, *args)
+
+    def lockstep(
+        self,
+        label: str,
+        spec_call: Callable[[], T],
+        impl_call: Callable[[], U],
+        snapshot: Callable[[], object],
+    ) -> tuple[T, U] | None:
+        """Run both sides of one operation; None when both rejected it."""
+        self.record(label)
+        try:
+            expected, spec_error = spec_call(), None
+        except KVSpecError as error:
+            expected, spec_error = None, error
+        before = snapshot()
+        try:
+            actual, impl_error = impl_call(), None
+        except Exception as error:  # an untyped error is a verdict too: the wrong one
+            actual, impl_error = None, error
+        self.check("invariant_verdict_matches_spec", verdict(spec_error), verdict(impl_error))
+        if impl_error is not None:
+            event(f"{label.split('(')[0]} rejected with {verdict(impl_error)}")
+            self.check("invariant_failed_operation_changes_nothing", before, snapshot())
+            return None
+        return expected, actual  # type: ignore[return-value]
+
+    def teardown(self) -> None:
+        type(self).last_steps = tuple(self.steps)
+
+
+def scaled(fraction: float) -> Settings:
+    """The current profile with a fraction of its examples: for machines whose steps are costly."""
+    current = Settings()
+    return Settings(current, max_examples=max(5, int(current.max_examples * fraction)))
+
+
+@attrs.frozen
+class Outcome:
+    """The verdict of one machine against one implementation."""
+
+    machine: str
+    invariant: str | None
+    detail: str
+    steps: tuple[str, ...]
+    runs: int
+    steps_explored: int
+    checks: dict[str, int]
+
+    @property
+    def held(self) -> bool:
+        return self.invariant is None
+
+
+SHRINKING_PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink)  # explain is slow and adds nothing
+
+
+def run_machine(
+    machine: type[LockstepMachine], implementation: Implementation, settings: Settings | None = None
+) -> Outcome:
+    """Run ``machine`` against ``implementation``; report the first invariant violated, shrunk."""
+    bound = machine.bind(implementation)
+    settings = Settings(settings or Settings(), report_multiple_bugs=False, phases=SHRINKING_PHASES)
+    invariant, detail = None, ""
+    try:
+        run_state_machine_as_test(bound, settings=settings)
+    except InvariantViolation as violation:
+        invariant, detail = violation.invariant, violation.detail
+    except (Flaky, Exception) as error:
+        invariant, detail = f"uncaught {type(error).__name__}", str(error)
+    return Outcome(
+        machine=machine.__name__,
+        invariant=invariant,
+        detail=detail,
+        steps=bound.last_steps if invariant else (),
+        runs=bound.runs,
+        steps_explored=bound.steps_explored,
+        checks=dict(bound.checks),
+    )

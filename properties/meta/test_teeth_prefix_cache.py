@@ -1,0 +1,35 @@
+"""Every broken prefix cache and radix cache of the zoo is caught, each by the invariant named here."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import Phase, settings
+
+from properties.meta.teeth import assert_caught
+from properties.test_prefix_cache import PrefixCacheMachine
+from properties.test_radix_cache import RadixCacheMachine
+
+PREFIX_CACHE_ZOO = {
+    "impl.broken.prefix_cache:stale_entry_after_reallocation": "invariant_hash_map_consistent",
+    "impl.broken.prefix_cache:evicts_eagerly": "invariant_evicts_only_what_is_needed",
+    "impl.broken.prefix_cache:unchained_hash": "invariant_hash_iff_prefix",
+    "impl.broken.prefix_cache:ignores_extra_keys": "invariant_hash_iff_prefix",
+    "impl.broken.prefix_cache:counts_hits_past_first_miss": "invariant_hits_stop_at_first_miss",
+    "impl.broken.prefix_cache:lookup_touches_lru": "invariant_eviction_order",
+}
+# Detection is what is tested here; shrinking every counterexample would cost minutes.
+DETECT_ONLY = settings(parent=settings.default, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+RADIX_ZOO = {
+    "impl.broken.prefix_cache:radix_evicts_locked_paths": "invariant_radix_locked_never_evicted",
+    "impl.broken.prefix_cache:radix_match_is_not_a_use": "invariant_eviction_order",
+}
+
+
+@pytest.mark.parametrize(("factory", "invariant"), sorted(PREFIX_CACHE_ZOO.items()))
+def test_broken_prefix_cache_is_caught(factory: str, invariant: str) -> None:
+    assert_caught(PrefixCacheMachine, factory, invariant, DETECT_ONLY)
+
+
+@pytest.mark.parametrize(("factory", "invariant"), sorted(RADIX_ZOO.items()))
+def test_broken_radix_cache_is_caught(factory: str, invariant: str) -> None:
+    assert_caught(RadixCacheMachine, factory, invariant, DETECT_ONLY)

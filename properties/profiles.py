@@ -1,0 +1,25 @@
+"""Hypothesis profiles shared by pytest (``conftest.py``) and ``kvspec check``.
+
+* ``dev`` -- quick and random, with the example database: for working.
+* ``ci`` -- derandomized, no database, failing examples printed as blobs.
+* ``thorough`` -- ten times the examples and twice the steps: before a release.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+settings.register_profile("dev", max_examples=60, stateful_step_count=40, **COMMON)
+settings.register_profile(
+    "ci", max_examples=60, stateful_step_count=40, derandomize=True, database=None, print_blob=True, **COMMON
+)
+settings.register_profile("thorough", max_examples=600, stateful_step_count=80, **COMMON)
+PROFILES = ("dev", "ci", "thorough")
+
+
+def default_profile() -> str:
+    """``$HYPOTHESIS_PROFILE``, else ``ci`` under CI, else ``dev``."""
+    return os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")

@@ -1,0 +1,23 @@
+"""The conformance suite: every machine, by layer, in the order a report lists them.
+
+Machines are named by ``module:class`` and imported only when run, after the
+implementation under test has been selected.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from properties.harness import LockstepMachine
+
+MACHINES: tuple[tuple[str, str], ...] = (
+    ("block pool", "properties.test_block_pool:BlockPoolMachine"),
+    ("block pool (1,024 blocks)", "properties.test_block_pool:RealisticBlockPoolMachine"),
+    ("block manager", "properties.test_block_manager:BlockManagerMachine"),
+    ("block manager (512 blocks of 16)", "properties.test_block_manager:RealisticBlockManagerMachine"),
+)
+
+
+def load_machine(path: str) -> type[LockstepMachine]:
+    module_name, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)

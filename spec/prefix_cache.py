@@ -1,0 +1,268 @@
+"""Layer 3 -- the prefix cache: chained block hashes and prefix-aware admission.
+
+Rules (lecture §8, vLLM automatic prefix caching, Mooncake §3):
+
+* A token's K and V depend on every token before it, so a block of KV can be
+  reused only by a request whose *whole prefix* up to the end of that block is
+  the same -- and whose *extra key* (adapter, namespace, salt: opaque, compared
+  for equality) is the same.  The spec names that exactly with the **ideal
+  key** of full block i: ``(extra_key, tokens[: (i + 1) * B])``.
+* Implementations name it with a **chained hash**:
+  ``h_0 = H(ROOT, tokens of block 0, extra)``, ``h_i = H(h_{i-1}, tokens of
+  block i, extra)``, with a fixed root and a stable, collision-resistant H
+  (never Python's salted ``hash()``).  Only full blocks are hashed; a partial
+  tail has no hash and is never cached.
+* Admission, ``add_sequence(seq, prompt, extra_key)``: the longest run of
+  cached full blocks *from the start* is shared (a hit; never copied), capped
+  at ``(len(prompt) - 1) // B`` blocks so that at least the last prompt token
+  is computed (its logits start generation).  The rest is written as in layer
+  2.  The hit costs no allocation but a hit block sitting in the free queue
+  leaves it, so room is counted as ``num_free - revived hits``; short of it,
+  ``OutOfBlocks`` and nothing changes.  ``WritePlan.cached_tokens = hits * B``.
+* A block is registered under its hash the moment it becomes full (before the
+  next token allocates), in order; a hash already cached elsewhere leaves the
+  new block uncached (the pool's ``register`` answers False).
+* ``fork`` passes the parent's extra key to the child; ``free`` releases as in
+  layer 2 and full blocks stay cached in the free queue until allocation takes
+  them (the pool's policy order: LRU or LFU) or ``evict(n)`` forgets them.
+* ``cached_prefix(tokens, extra_key)`` names the blocks admission would reuse
+  (uncapped) and changes nothing -- in particular it touches no LRU position.
+
+Theory of operation: transitions are pure, so one that raises part-way (a
+write short of blocks) leaves nothing behind.  ``CachingManager`` wraps the layer-2 model; its pool
+registers blocks under their *ideal keys*, so the model's cache is exact by
+construction.  The property machine learns the relation between an
+implementation's hashes and ideal keys as it sees them and requires it to stay
+a bijection, then compares states through that renaming.
+
+Invariants:
+
+* ``invariant_hash_iff_prefix`` -- equal hash <=> equal whole prefix and extra key.
+* ``invariant_hash_change_propagates`` -- changing a token of block k changes
+  hash k and every later one, never an earlier one.
+* ``invariant_hit_is_exact_prefix`` -- a hit block holds exactly the requested
+  prefix, and was cached (not evicted, not reallocated) when it was hit.
+* ``invariant_hits_stop_at_first_miss`` -- the hit length counts blocks only
+  up to the first miss.
+* ``invariant_reuse_preserves_read_back`` -- a sequence reads back what it was
+  given, hit or not.
+* ``invariant_evicts_only_what_is_needed`` -- a write forgets a cached block
+  only by handing that very block out.
+  (Plus, reused by name: the pool's ``invariant_in_use_never_reclaimed`` and
+  ``invariant_eviction_order``, and every layer-1/2 invariant.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from spec import block_manager, block_pool
+from spec.block_manager import Manager, ManagerState, SeqId, WritePlan
+from spec.block_pool import Pool, PoolState
+from spec.errors import InvalidOperation
+from spec.invariants import invariant
+
+ExtraKey = Hashable
+IdealKey = tuple[ExtraKey, tuple[int, ...]]
+
+
+def check_extra_key(extra_key: object) -> ExtraKey:
+    """Extra keys have a canonical encoding: None, int, str, bytes, or tuples of them."""
+    if extra_key is None or isinstance(extra_key, str | bytes):
+        return extra_key
+    if isinstance(extra_key, int) and not isinstance(extra_key, bool):
+        return extra_key
+    if isinstance(extra_key, tuple):
+        for part in extra_key:
+            check_extra_key(part)
+        return extra_key
+    raise InvalidOperation(f"extra key {extra_key!r} is not None, int, str, bytes or a tuple of them")
+
+
+def ideal_keys(tokens: Sequence[int], block_size: int, extra_key: ExtraKey = None) -> tuple[IdealKey, ...]:
+    """The exact identity of each full block: its extra key and the whole prefix it ends."""
+    full = len(tokens) // block_size
+    return tuple((extra_key, tuple(tokens[: (i + 1) * block_size])) for i in range(full))
+
+
+def max_hit_blocks(prompt_length: int, block_size: int) -> int:
+    """At least the last prompt token is computed, so a hit stops one token short."""
+    return (prompt_length - 1) // block_size
+
+
+@runtime_checkable
+class PrefixCachingManager(block_manager.BlockManager, Protocol):
+    """A block manager with a prefix cache.  ``add_sequence`` takes an ``extra_key``."""
+
+    def block_hashes(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[Hashable, ...]: ...
+    def cached_prefix(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]: ...
+    def evict(self, n: int) -> list[int]: ...
+
+
+# -- the model -------------------------------------------------------------------
+
+
+@attrs.frozen
+class CachingManager:
+    """The layer-2 model plus each sequence's extra key; its pool is keyed by ideal keys."""
+
+    manager: Manager
+    extra_keys: Mapping[SeqId, ExtraKey]
+
+
+def new_caching_manager(block_size: int, pool: Pool) -> CachingManager:
+    return CachingManager(manager=block_manager.new_manager(block_size, pool), extra_keys={})
+
+
+def cached_prefix(cm: CachingManager, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
+    """The longest run of cached full blocks from the start, stopping at the first miss."""
+    hits = []
+    for key in ideal_keys(tokens, cm.manager.block_size, extra_key):
+        block = block_pool.lookup(cm.manager.pool, key)
+        if block is None:
+            break
+        hits.append(block)
+    return tuple(hits)
+
+
+def add_sequence(
+    cm: CachingManager, seq: SeqId, prompt: Sequence[int], extra_key: ExtraKey = None
+) -> tuple[CachingManager, WritePlan]:
+    """Share the cached prefix, write the rest, register blocks as they fill."""
+    prompt = block_manager.check_tokens(prompt, allow_empty=False)
+    extra_key = check_extra_key(extra_key)
+    manager = cm.manager
+    block_manager.require_new(manager, seq)
+    size = manager.block_size
+    hits = cached_prefix(cm, prompt, extra_key)[: max_hit_blocks(len(prompt), size)]
+    manager = attrs.evolve(manager, pool=block_pool.share(manager.pool, hits))
+    manager = block_manager.start_sequence(manager, seq, hits)
+    cm = attrs.evolve(cm, manager=manager, extra_keys={**cm.extra_keys, seq: extra_key})
+    cm, plan = _write_registering(cm, seq, prompt[len(hits) * size :])
+    return cm, attrs.evolve(plan, cached_tokens=len(hits) * size)
+
+
+def append(cm: CachingManager, seq: SeqId, tokens: Sequence[int]) -> tuple[CachingManager, WritePlan]:
+    tokens = block_manager.check_tokens(tokens, allow_empty=True)
+    block_manager.require_live(cm.manager, seq)
+    return _write_registering(cm, seq, tokens)
+
+
+def fork(cm: CachingManager, parent: SeqId, child: SeqId) -> CachingManager:
+    manager = block_manager.fork(cm.manager, parent, child)
+    return attrs.evolve(cm, manager=manager, extra_keys={**cm.extra_keys, child: cm.extra_keys[parent]})
+
+
+def free(cm: CachingManager, seq: SeqId) -> CachingManager:
+    manager = block_manager.free(cm.manager, seq)
+    return attrs.evolve(cm, manager=manager, extra_keys={s: k for s, k in cm.extra_keys.items() if s != seq})
+
+
+def evict(cm: CachingManager, n: int) -> tuple[CachingManager, tuple[int, ...]]:
+    pool, victims = block_pool.evict(cm.manager.pool, n)
+    return attrs.evolve(cm, manager=attrs.evolve(cm.manager, pool=pool)), victims
+
+
+def _write_registering(cm: CachingManager, seq: SeqId, tokens: tuple[int, ...]) -> tuple[CachingManager, WritePlan]:
+    """Layer 2's write, cut at block boundaries so each block is registered the moment it fills."""
+    manager, size, extra_key = cm.manager, cm.manager.block_size, cm.extra_keys[seq]
+    copies, slots = [], []
+    start = 0
+    while start < len(tokens):
+        room_in_block = size - len(manager.tokens[seq]) % size
+        manager, plan = block_manager.write(manager, seq, tokens[start : start + room_in_block])
+        copies += plan.copies
+        slots += plan.slots
+        start += room_in_block
+        written = manager.tokens[seq]
+        if len(written) % size == 0:
+            key = (extra_key, written)
+            pool, _ = block_pool.register(manager.pool, manager.tables[seq][-1], key)
+            manager = attrs.evolve(manager, pool=pool)
+    return attrs.evolve(cm, manager=manager), WritePlan(copies=tuple(copies), slots=tuple(slots))
+
+
+def abstract(cm: CachingManager) -> ManagerState:
+    return block_manager.abstract(cm.manager)
+
+
+def rename_hashes(state: ManagerState, rename: Mapping[Hashable, Hashable]) -> ManagerState:
+    """The same state with every block hash replaced through ``rename`` (impl hash -> ideal key)."""
+    pool = state.pool
+    hashes = tuple(None if h is None else rename.get(h, h) for h in pool.block_hashes)
+    cached = {rename.get(h, h): b for h, b in pool.cached.items()}
+    return attrs.evolve(state, pool=attrs.evolve(pool, block_hashes=hashes, cached=cached))
+
+
+# -- invariants ------------------------------------------------------------------
+
+
+@invariant("KV depends on the whole prefix: equal hashes must mean equal prefixes (and extra keys), and back")
+def invariant_hash_iff_prefix(pairs: Iterable[tuple[Hashable, IdealKey]]) -> str | None:
+    """``pairs`` are every (implementation hash, ideal key) seen for the same block so far."""
+    ideal_of: dict[Hashable, IdealKey] = {}
+    hash_of: dict[IdealKey, Hashable] = {}
+    for block_hash, key in pairs:
+        if ideal_of.setdefault(block_hash, key) != key:
+            return f"hash {block_hash!r} names two prefixes: {ideal_of[block_hash]} and {key}"
+        if hash_of.setdefault(key, block_hash) != block_hash:
+            return f"prefix {key} has two hashes: {hash_of[key]!r} and {block_hash!r}"
+    return None
+
+
+@invariant("lecture exercise 10: a changed token changes its block's KV and every later block's, no earlier one's")
+def invariant_hash_change_propagates(
+    original: Sequence[Hashable], changed: Sequence[Hashable], changed_block: int
+) -> str | None:
+    for i, (before, after) in enumerate(zip(original, changed, strict=True)):
+        if i < changed_block and before != after:
+            return f"changing block {changed_block} changed the hash of earlier block {i}"
+        if i >= changed_block and before == after:
+            return f"changing block {changed_block} left the hash of block {i} unchanged"
+    return None
+
+
+@invariant("a hit must reuse KV computed for exactly this prefix; an evicted or reallocated block holds something else")
+def invariant_hit_is_exact_prefix(
+    before: PoolState,
+    contents: Mapping[int, Sequence[int]],
+    hits: Sequence[int],
+    prompt: Sequence[int],
+    block_size: int,
+) -> str | None:
+    for i, block in enumerate(hits):
+        if before.block_hashes[block] is None:
+            return f"hit block {block} (logical {i}) was not cached: evicted or reallocated"
+        want = tuple(prompt[i * block_size : (i + 1) * block_size])
+        if tuple(contents.get(block, ())) != want:
+            return f"hit block {block} holds {tuple(contents.get(block, ()))}, the prompt's block {i} is {want}"
+    return None
+
+
+@invariant("a prefix cache can reuse only a run from the start: counting past the first miss overstates the savings")
+def invariant_hits_stop_at_first_miss(expected_blocks: int, cached_tokens: int, block_size: int) -> str | None:
+    if cached_tokens != expected_blocks * block_size:
+        return (
+            f"reported {cached_tokens} cached tokens, the run of hits up to the first miss is {expected_blocks} blocks"
+        )
+    return None
+
+
+@invariant("reuse is an optimisation: what a sequence reads back must not depend on whether its prefix was a hit")
+def invariant_reuse_preserves_read_back(seq: SeqId, read_back: Sequence[int], given: Sequence[int]) -> str | None:
+    if tuple(read_back) != tuple(given):
+        return f"sequence {seq!r} reads back {tuple(read_back)}, it was given {tuple(given)}"
+    return None
+
+
+@invariant("cached blocks are free to keep until their space is needed: forgetting more loses hits for nothing")
+def invariant_evicts_only_what_is_needed(before: PoolState, after: PoolState, allocated: Sequence[int]) -> str | None:
+    """A write may forget a cached block only by handing that very block out (``allocated``)."""
+    forgotten = [b for b, h in enumerate(before.block_hashes) if h is not None and after.block_hashes[b] != h]
+    needless = sorted(set(forgotten) - set(allocated))
+    if needless:
+        return f"forgot the cached blocks {needless} while allocating only {sorted(set(allocated))}"
+    return None
