@@ -40,35 +40,51 @@ class LRUFreeQueue:
 
 
 class LFUFreeQueue:
-    """Free blocks ordered by (uses, release order); the least used is evicted first."""
+    """Free blocks bucketed by uses, each bucket in release order; the least used is evicted first.
+
+    A heap holds the distinct use counts that have a bucket, so push, pop and
+    removal are O(1) amortized while few distinct counts are live.
+    """
 
     def __init__(self, blocks: Sequence[int]) -> None:
-        self._tick = itertools.count()
-        self._key: dict[int, tuple[int, int]] = {}
-        self._heap: list[tuple[int, int, int]] = []
+        self._uses_of: dict[int, int] = {}
+        self._buckets: dict[int, OrderedDict[int, None]] = {}
+        self._counts: list[int] = []
         for block in blocks:
             self.push(block, 0)
 
     def __len__(self) -> int:
-        return len(self._key)
+        return len(self._uses_of)
 
     def __iter__(self) -> Iterator[int]:
-        return (block for _, _, block in sorted((k + (b,) for b, k in self._key.items())))
+        return itertools.chain.from_iterable(self._buckets[uses] for uses in sorted(self._buckets))
 
     def push(self, block: int, uses: int) -> None:
-        key = (uses, next(self._tick))
-        self._key[block] = key
-        heapq.heappush(self._heap, key + (block,))
+        bucket = self._buckets.get(uses)
+        if bucket is None:
+            bucket = self._buckets[uses] = OrderedDict()
+            heapq.heappush(self._counts, uses)
+        bucket[block] = None
+        self._uses_of[block] = uses
 
     def remove(self, block: int) -> None:
-        del self._key[block]  # its heap entry goes stale and is skipped by pop
+        uses = self._uses_of.pop(block)
+        bucket = self._buckets[uses]
+        del bucket[block]
+        if not bucket:
+            del self._buckets[uses]  # its count leaves the heap lazily, in pop
 
     def pop(self) -> int:
-        while True:
-            uses, tick, block = heapq.heappop(self._heap)
-            if self._key.get(block) == (uses, tick):
-                del self._key[block]
-                return block
+        while self._counts[0] not in self._buckets:
+            heapq.heappop(self._counts)
+        uses = self._counts[0]
+        bucket = self._buckets[uses]
+        block = bucket.popitem(last=False)[0]
+        if not bucket:
+            del self._buckets[uses]
+            heapq.heappop(self._counts)
+        del self._uses_of[block]
+        return block
 
 
 FREE_QUEUES = {"lru": LRUFreeQueue, "lfu": LFUFreeQueue}
@@ -124,7 +140,8 @@ class BlockPool:
             self._uses[block] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
-        for block, times in Counter(blocks).items():
+        distinct = len(set(blocks)) == len(blocks)
+        for block, times in zip(blocks, itertools.repeat(1)) if distinct else Counter(blocks).items():
             self._check(block)
             if self._refcounts[block] < times:
                 raise InvalidOperation(
@@ -176,5 +193,5 @@ class BlockPool:
             self._hashes[block] = None
 
     def _check(self, block: object) -> None:
-        if not isinstance(block, int) or isinstance(block, bool) or not 0 <= block < self._capacity:
+        if type(block) is not int or not 0 <= block < self._capacity:
             raise InvalidOperation(f"block {block!r} is not a block of this pool (0..{self._capacity - 1})")

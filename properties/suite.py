@@ -15,6 +15,14 @@ MACHINES: tuple[tuple[str, str], ...] = (
     ("block pool (1,024 blocks)", "properties.test_block_pool:RealisticBlockPoolMachine"),
     ("block manager", "properties.test_block_manager:BlockManagerMachine"),
     ("block manager (512 blocks of 16)", "properties.test_block_manager:RealisticBlockManagerMachine"),
+    ("prefix cache", "properties.test_prefix_cache:PrefixCacheMachine"),
+    ("prefix cache (realistic)", "properties.test_prefix_cache:RealisticPrefixCacheMachine"),
+    ("radix cache", "properties.test_radix_cache:RadixCacheMachine"),
+    ("radix = chained hash", "properties.test_radix_cache:RadixAgreesWithChainedHashMachine"),
+    ("paged attention logits", "properties.test_paged_attention:PagedAttentionMachine"),
+    ("scheduler (recompute)", "properties.test_scheduler:SchedulerMachine"),
+    ("scheduler (swap)", "properties.test_scheduler:SwapSchedulerMachine"),
+    ("scheduler deadlock freedom", "properties.test_scheduler:DeadlockFreedomMachine"),
 )
 
 

@@ -1,0 +1,66 @@
+"""Throughput of the reference pool and manager, and lockstep speed of each machine.
+
+Prints operations per second for allocate+release and for the manager's
+fork / append / free cycle at a realistic size (4,096 blocks of 16), and the
+steps per second each conformance machine explores in lockstep with the spec
+(the model is pure and copies its tuples, so this is the price of checking).
+
+    python -m bench.bench_block_pool
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from hypothesis import settings
+
+from experiments.report import table
+from properties import harness, profiles, suite
+
+BLOCKS, BLOCK_SIZE = 4_096, 16
+
+
+def rate(operation, count: int) -> float:
+    start = time.perf_counter()
+    operation(count)
+    return count / (time.perf_counter() - start)
+
+
+def allocate_release(count: int) -> None:
+    pool = harness.implementation_under_test().block_pool(BLOCKS, "lru")
+    for _ in range(count):
+        pool.release(pool.allocate(4)[::-1])
+
+
+def fork_append_free(count: int) -> None:
+    implementation = harness.implementation_under_test()
+    manager = implementation.block_manager(implementation.block_pool(BLOCKS, "lru"), BLOCK_SIZE)
+    manager.add_sequence("prompt", list(range(100)))
+    for i in range(count):
+        manager.fork("prompt", i)
+        manager.append(i, [1, 2, 3])
+        manager.free(i)
+
+
+def main() -> int:
+    settings.load_profile(profiles.default_profile())
+    rows = [
+        ("pool allocate(4) + release", rate(allocate_release, 50_000)),
+        ("manager fork + append(3) + free", rate(fork_append_free, 20_000)),
+    ]
+    print(table(["reference operation (4,096 blocks of 16)", "ops/s"], rows))
+    print()
+    machine_rows = []
+    for name, path in suite.MACHINES:
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        outcome = harness.run_machine(suite.load_machine(path), harness.implementation_under_test())
+        seconds = time.perf_counter() - start
+        machine_rows.append((name, outcome.steps_explored, seconds, outcome.steps_explored / seconds))
+    print(table(["machine (lockstep with the spec)", "steps", "seconds", "steps/s"], machine_rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
