@@ -1,0 +1,28 @@
+"""Every broken scheduler of the zoo is caught, each by the invariant named here."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import Phase, settings
+
+from properties.meta.teeth import assert_caught
+from properties.test_scheduler import DeadlockFreedomMachine, SchedulerMachine, SwapSchedulerMachine
+
+ZOO = {
+    "impl.broken.scheduler:preempts_oldest": (SchedulerMachine, "invariant_oldest_never_preempted"),
+    "impl.broken.scheduler:swaps_part_of_group": (SwapSchedulerMachine, "invariant_group_on_one_device"),
+    "impl.broken.scheduler:forgets_to_free_on_recompute": (SchedulerMachine, "invariant_no_leak_across_preemption"),
+    "impl.broken.scheduler:admits_out_of_order": (SchedulerMachine, "invariant_admission_in_arrival_order"),
+    "impl.broken.scheduler:waits_forever_on_too_large": (SchedulerMachine, "invariant_verdict_matches_spec"),
+    "impl.broken.scheduler:never_preempts": (DeadlockFreedomMachine, "invariant_finishes_within_bound"),
+}
+
+
+# Detection is what is asserted here; shrinking a scheduler run costs a minute per member.
+DETECT_ONLY = settings(parent=settings.default, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+
+
+@pytest.mark.parametrize("factory", sorted(ZOO))
+def test_broken_scheduler_is_caught(factory: str) -> None:
+    machine, invariant = ZOO[factory]
+    assert_caught(machine, factory, invariant, DETECT_ONLY)

@@ -1,0 +1,515 @@
+"""Layer 4 -- the scheduler: iteration-level batching, FCFS, preemption by swap or recompute.
+
+Rules (vLLM §4.5 and §5.2, lecture §6):
+
+* A *request* is a prompt, a number of new tokens to generate and a number of
+  samples ``n``.  Its *sequence group* is its ``n`` sequences, ids
+  ``(request_id, sample)``; the group is scheduled, preempted and resumed as
+  one (all or nothing): its blocks are all on the GPU (*running*), all on the
+  CPU (*swapped*) or nowhere (*waiting*).
+* ``arrive(request)`` queues the request as waiting.  One whose peak need --
+  ``group_blocks(prompt, max_new_tokens, n)``, the blocks it holds after its
+  last token -- exceeds the GPU's capacity could never run even alone: it is
+  refused with ``RequestTooLarge``, never left to block the queue.
+* ``step()`` is one iteration.  First the *decode phase*: every running
+  sequence appends one token (``sampled_token``, a deterministic stand-in for
+  the model's output).  While the running groups need more blocks than are
+  free (``append_demand``), the latest-arrived running group is preempted:
+  by **swap** -- ``move_sequences`` of the whole group to the CPU manager,
+  one copy per distinct block -- or, when the mode is ``recompute`` or the CPU
+  cannot take the group, by **recompute** -- every sequence is freed and the
+  group waits again.  A group that reaches ``max_new_tokens`` finishes and
+  frees its blocks.  Then the *admission phase*: the groups that are not
+  running are taken in arrival order -- swapped groups resume before new
+  admissions because they arrived earlier -- and each is swapped in, or
+  prefilled (prompt, fork into ``n`` samples, then each sample's generated
+  tokens again if it was recomputed), while it fits: the GPU keeps
+  ``watermark`` blocks free after the admission unless nothing is running.
+  Admission stops at the first group that does not fit and at a group
+  preempted in this very step: nobody overtakes.
+* ``abort(request_id)`` drops an unfinished request and frees its blocks.
+* Bad input (duplicate or unknown id, empty prompt, ``n`` or
+  ``max_new_tokens`` below 1) raises ``InvalidOperation`` and changes nothing.
+
+Deadlock freedom (lecture exercise 12).  Preemption takes the latest-arrived
+running group, so the earliest-arrived unfinished request, once running, is
+never preempted, and it fits alone.  While it waits, nobody is admitted and
+every running group finishes or is preempted within ``M`` steps (``M`` the
+largest ``max_new_tokens`` of any request); the GPU is then idle and admits
+it; it finishes within ``M`` more.  So **a request that arrives after step
+``a`` with ``k`` unfinished requests, itself included, finishes by step
+``a + 2 * M * k``** (``deadline``).
+
+Theory of operation: ``Model`` is the spec's scheduler over the spec's block
+manager models; ``step``, ``arrive`` and ``abort`` are pure transitions
+returning a new ``Model``.  An implementation's ``snapshot()`` returns a
+``SchedulerState`` (its groups and both managers' snapshots); ``abstract``
+gives the model's.  Implementations may place blocks differently, so
+refinement compares everything but block numbers (``view``).
+
+The factory an ``Implementation`` provides: ``scheduler(gpu, cpu, config)``
+with ``gpu`` and ``cpu`` two empty ``spec.block_manager.BlockManager``s of the
+same block size (each over its own pool) and ``config`` a ``SchedulerConfig``;
+it returns a ``Scheduler``.
+
+Invariants (checked after every step; the pool and manager invariants hold on
+both devices too):
+
+* ``invariant_memory_never_overcommitted`` -- each device holds at most its
+  capacity, and its pool counts exactly the blocks its tables name.
+* ``invariant_no_leak_across_preemption`` -- only running or swapped groups
+  hold blocks; with no request unfinished both pools are entirely free.
+* ``invariant_group_on_one_device`` -- a group's sequences are all on its
+  device and none elsewhere.
+* ``invariant_swap_restores_contents`` -- every held sequence reads back,
+  through its device's tables, exactly its group's tokens.
+* ``invariant_recompute_restores_tokens`` -- a group's tokens are its prompt
+  and the tokens it sampled, whatever preemption it went through.
+* ``invariant_oldest_never_preempted`` -- the earliest-arrived unfinished
+  request is never a victim.
+* ``invariant_admission_in_arrival_order`` -- no group is admitted or resumed
+  ahead of an earlier-arrived one still waiting or swapped.
+* ``invariant_finishes_within_bound`` -- every request finishes by its deadline.
+* ``invariant_scheduler_refines_spec`` -- the implementation is in the model's
+  state, block numbers aside.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Collection, Mapping, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import attrs
+
+from spec import block_manager
+from spec.block_manager import Manager, ManagerState, blocks_for, check_tokens, holders, read_through_table
+from spec.errors import InvalidOperation, RequestTooLarge
+from spec.invariants import diff_states, invariant
+
+RequestId = int
+Preemption = Literal["swap", "recompute"]
+Location = Literal["waiting", "running", "swapped"]
+VOCABULARY = 50_272  # OPT's; any positive size would do
+
+
+@attrs.frozen
+class Request:
+    request_id: RequestId
+    prompt: tuple[int, ...] = attrs.field(converter=tuple)
+    max_new_tokens: int
+    n: int = 1
+
+
+@attrs.frozen
+class SchedulerConfig:
+    preemption: Preemption = "recompute"
+    watermark: int = 0  # GPU blocks kept free after an admission, unless the GPU is idle
+
+
+@attrs.frozen
+class Group:
+    """A request's sequence group and where it stands."""
+
+    request: Request
+    arrival: int
+    location: Location = "waiting"
+    generated: int = 0
+    preemptions: int = 0
+
+    @property
+    def seqs(self) -> tuple[tuple[RequestId, int], ...]:
+        return tuple((self.request.request_id, s) for s in range(self.request.n))
+
+    def tokens(self, sample: int) -> tuple[int, ...]:
+        rid = self.request.request_id
+        return self.request.prompt + tuple(sampled_token(rid, sample, i) for i in range(self.generated))
+
+
+@attrs.frozen
+class SchedulerState:
+    """What ``snapshot()`` returns: unfinished groups in arrival order, and both devices."""
+
+    config: SchedulerConfig
+    steps: int
+    arrived: tuple[RequestId, ...]  # every request ever accepted, in arrival order
+    groups: tuple[Group, ...]
+    finished: tuple[RequestId, ...]  # in completion order
+    gpu: ManagerState
+    cpu: ManagerState
+
+
+@attrs.frozen
+class StepReport:
+    """What one iteration did; ``preempted`` pairs each victim with how it was preempted."""
+
+    preempted: tuple[tuple[RequestId, Preemption], ...] = ()
+    admitted: tuple[RequestId, ...] = ()
+    finished: tuple[RequestId, ...] = ()
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    recomputed_tokens: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    @property
+    def gpu(self) -> block_manager.BlockManager: ...
+    @property
+    def cpu(self) -> block_manager.BlockManager: ...
+    def arrive(self, request: Request) -> None: ...
+    def step(self) -> StepReport: ...
+    def abort(self, request_id: RequestId) -> None: ...
+    def snapshot(self) -> SchedulerState: ...
+
+
+# -- arithmetic both the model and implementations use --------------------------------
+
+
+def sampled_token(request_id: RequestId, sample: int, position: int) -> int:
+    """The token a sample generates at a position: fixed, so a recomputed run samples the same."""
+    return (request_id * 1_000_003 + sample * 7_919 + position * 104_729) % VOCABULARY
+
+
+def group_blocks(prompt_len: int, generated: int, n: int, block_size: int) -> int:
+    """Blocks a group holds: whole prompt blocks shared by its samples, the rest private once written."""
+    if generated == 0:
+        return blocks_for(prompt_len, block_size)
+    shared = prompt_len // block_size
+    return shared + n * (blocks_for(prompt_len + generated, block_size) - shared)
+
+
+def peak_blocks(request: Request, block_size: int) -> int:
+    return group_blocks(len(request.prompt), request.max_new_tokens, request.n, block_size)
+
+
+def append_demand(
+    tables: Sequence[Sequence[int]], lengths: Sequence[int], refcount: Mapping[int, int], block_size: int
+) -> int:
+    """Blocks one more token per sequence takes: a fresh block after a full one, a copy of a shared partial one.
+
+    The last of a partial block's holders writes in place, so k holders of a
+    block nobody else holds make k-1 copies.
+    """
+    fresh = sum(1 for length in lengths if length % block_size == 0)
+    partial = holders(
+        {i: (t[-1],) for i, (t, length) in enumerate(zip(tables, lengths, strict=True)) if length % block_size}
+    )
+    return fresh + sum(k if refcount[b] > k else k - 1 for b, k in partial.items())
+
+
+def deadline(arrived_after_step: int, unfinished_at_arrival: int, longest_output: int) -> int:
+    """The step by which a request must be finished (see the module docstring)."""
+    return arrived_after_step + 2 * longest_output * unfinished_at_arrival
+
+
+def check_request(request: object, known: Collection[RequestId]) -> Request:
+    if not isinstance(request, Request):
+        raise InvalidOperation(f"expected a Request, got {type(request).__name__}")
+    rid = request.request_id
+    if not isinstance(rid, int) or isinstance(rid, bool):
+        raise InvalidOperation(f"request ids are ints, got {rid!r}")
+    if rid in known:
+        raise InvalidOperation(f"request {rid!r} already arrived")
+    check_tokens(request.prompt, allow_empty=False)
+    for name in ("max_new_tokens", "n"):
+        value = getattr(request, name)
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise InvalidOperation(f"request {request.request_id!r}: {name} must be an int >= 1, got {value!r}")
+    return request
+
+
+def check_fits_alone(request: Request, gpu_capacity: int, block_size: int) -> None:
+    need = peak_blocks(request, block_size)
+    if need > gpu_capacity:
+        raise RequestTooLarge(
+            f"request {request.request_id!r} needs {need} blocks at its longest, the GPU has {gpu_capacity}"
+        )
+
+
+def admissible(need: int, free: int, watermark: int, gpu_idle: bool) -> bool:
+    return need <= free if gpu_idle else need + watermark <= free
+
+
+# -- the model -------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Model:
+    config: SchedulerConfig
+    steps: int
+    arrived: tuple[RequestId, ...]
+    groups: tuple[Group, ...]
+    finished: tuple[RequestId, ...]
+    gpu: Manager
+    cpu: Manager
+
+
+def new_model(gpu: Manager, cpu: Manager, config: SchedulerConfig) -> Model:
+    if gpu.block_size != cpu.block_size:
+        raise InvalidOperation(f"GPU blocks of {gpu.block_size} tokens, CPU blocks of {cpu.block_size}")
+    if config.preemption not in ("swap", "recompute") or config.watermark < 0:
+        raise InvalidOperation(f"unusable scheduler config {config!r}")
+    return Model(config=config, steps=0, arrived=(), groups=(), finished=(), gpu=gpu, cpu=cpu)
+
+
+def abstract(model: Model) -> SchedulerState:
+    return SchedulerState(
+        config=model.config,
+        steps=model.steps,
+        arrived=model.arrived,
+        groups=model.groups,
+        finished=model.finished,
+        gpu=block_manager.abstract(model.gpu),
+        cpu=block_manager.abstract(model.cpu),
+    )
+
+
+def arrive(model: Model, request: Request) -> Model:
+    request = check_request(request, model.arrived)
+    check_fits_alone(request, model.gpu.pool.capacity, model.gpu.block_size)
+    group = Group(request=request, arrival=len(model.arrived))
+    return attrs.evolve(model, arrived=model.arrived + (request.request_id,), groups=model.groups + (group,))
+
+
+def abort(model: Model, request_id: RequestId) -> Model:
+    group = _find(model, request_id)
+    model = _release(model, group)
+    return attrs.evolve(model, groups=tuple(g for g in model.groups if g.request.request_id != request_id))
+
+
+def step(model: Model) -> tuple[Model, StepReport]:
+    """One iteration: decode (preempting the latest-arrived as needed), then admit in arrival order."""
+    report = StepReport()
+    running = [g for g in model.groups if g.location == "running"]
+    while running and _decode_demand(model.gpu, running) > free_blocks(model.gpu):
+        victim = running.pop()
+        model, how = _preempt(model, victim)
+        report = attrs.evolve(report, preempted=report.preempted + ((victim.request.request_id, how),))
+        if how == "swap":
+            swapped = len(set(b for s in victim.seqs for b in model.cpu.tables[s]))
+            report = attrs.evolve(report, swapped_out_blocks=report.swapped_out_blocks + swapped)
+    for group in running:
+        gpu = model.gpu
+        for sample, seq in enumerate(group.seqs):
+            gpu, _ = block_manager.append(gpu, seq, (sampled_token(group.request.request_id, sample, group.generated),))
+        grown = attrs.evolve(group, generated=group.generated + 1)
+        model = _replace(attrs.evolve(model, gpu=gpu), grown)
+        report = attrs.evolve(report, decode_tokens=report.decode_tokens + group.request.n)
+        if grown.generated == grown.request.max_new_tokens:
+            model = _release(model, grown)
+            model = attrs.evolve(
+                model,
+                groups=tuple(g for g in model.groups if g.request.request_id != grown.request.request_id),
+                finished=model.finished + (grown.request.request_id,),
+            )
+            report = attrs.evolve(report, finished=report.finished + (grown.request.request_id,))
+    just_preempted = {rid for rid, _ in report.preempted}
+    for group in [g for g in model.groups if g.location != "running"]:
+        if group.request.request_id in just_preempted:
+            break
+        gpu_idle = not any(g.location == "running" for g in model.groups)
+        need = _resume_demand(model, group)
+        if not admissible(need, free_blocks(model.gpu), model.config.watermark, gpu_idle):
+            break
+        model, report = _admit(model, group, need, report)
+    return attrs.evolve(model, steps=model.steps + 1), report
+
+
+def free_blocks(manager: Manager) -> int:
+    return len(manager.pool.lru)
+
+
+def _find(model: Model, request_id: RequestId) -> Group:
+    for group in model.groups:
+        if group.request.request_id == request_id:
+            return group
+    raise InvalidOperation(f"request {request_id!r} is not unfinished (never arrived, finished or aborted)")
+
+
+def _replace(model: Model, group: Group) -> Model:
+    rid = group.request.request_id
+    return attrs.evolve(model, groups=tuple(group if g.request.request_id == rid else g for g in model.groups))
+
+
+def _decode_demand(gpu: Manager, running: Sequence[Group]) -> int:
+    seqs = [s for g in running for s in g.seqs]
+    refcount = dict(enumerate(gpu.pool.refcounts))
+    return append_demand([gpu.tables[s] for s in seqs], [len(gpu.tokens[s]) for s in seqs], refcount, gpu.block_size)
+
+
+def _resume_demand(model: Model, group: Group) -> int:
+    if group.location == "swapped":
+        return len({b for s in group.seqs for b in model.cpu.tables[s]})
+    request = group.request
+    return group_blocks(len(request.prompt), group.generated, request.n, model.gpu.block_size)
+
+
+def _release(model: Model, group: Group) -> Model:
+    device = {"running": "gpu", "swapped": "cpu"}.get(group.location)
+    if device is None:
+        return model
+    manager = getattr(model, device)
+    for seq in group.seqs:
+        manager = block_manager.free(manager, seq)
+    return attrs.evolve(model, **{device: manager})
+
+
+def _preempt(model: Model, victim: Group) -> tuple[Model, Preemption]:
+    distinct = len({b for s in victim.seqs for b in model.gpu.tables[s]})
+    bumped = attrs.evolve(victim, preemptions=victim.preemptions + 1)
+    if model.config.preemption == "swap" and distinct <= free_blocks(model.cpu):
+        gpu, cpu, _ = block_manager.move_sequences(model.gpu, model.cpu, victim.seqs)
+        return _replace(attrs.evolve(model, gpu=gpu, cpu=cpu), attrs.evolve(bumped, location="swapped")), "swap"
+    model = _release(model, victim)
+    return _replace(model, attrs.evolve(bumped, location="waiting")), "recompute"
+
+
+def _admit(model: Model, group: Group, need: int, report: StepReport) -> tuple[Model, StepReport]:
+    rid, request = group.request.request_id, group.request
+    if group.location == "swapped":
+        cpu, gpu, _ = block_manager.move_sequences(model.cpu, model.gpu, group.seqs)
+        report = attrs.evolve(report, swapped_in_blocks=report.swapped_in_blocks + need)
+    else:
+        gpu, _ = block_manager.add_sequence(model.gpu, group.seqs[0], request.prompt)
+        for seq in group.seqs[1:]:
+            gpu = block_manager.fork(gpu, group.seqs[0], seq)
+        for sample, seq in enumerate(group.seqs):
+            gpu, _ = block_manager.append(gpu, seq, group.tokens(sample)[len(request.prompt) :])
+        cpu = model.cpu
+        prefilled = len(request.prompt) + request.n * group.generated
+        field = "recomputed_tokens" if group.preemptions else "prefill_tokens"
+        report = attrs.evolve(report, **{field: getattr(report, field) + prefilled})
+    model = _replace(attrs.evolve(model, gpu=gpu, cpu=cpu), attrs.evolve(group, location="running"))
+    return model, attrs.evolve(report, admitted=report.admitted + (rid,))
+
+
+@attrs.frozen
+class View:
+    """What refinement compares: everything but which physical blocks hold what."""
+
+    scheduler: SchedulerState
+    gpu_tokens: Mapping[tuple[RequestId, int], tuple[int, ...]]
+    cpu_tokens: Mapping[tuple[RequestId, int], tuple[int, ...]]
+    gpu_blocks_in_use: int
+    cpu_blocks_in_use: int
+
+
+def view(state: SchedulerState) -> View:
+    return View(
+        scheduler=attrs.evolve(state, gpu=None, cpu=None),
+        gpu_tokens=dict(state.gpu.tokens),
+        cpu_tokens=dict(state.cpu.tokens),
+        gpu_blocks_in_use=state.gpu.pool.capacity - state.gpu.pool.num_free,
+        cpu_blocks_in_use=state.cpu.pool.capacity - state.cpu.pool.num_free,
+    )
+
+
+# -- invariants ------------------------------------------------------------------------
+
+
+def _devices(state: SchedulerState) -> dict[str, ManagerState]:
+    return {"gpu": state.gpu, "cpu": state.cpu}
+
+
+@invariant("a device cannot hold more than it has; blocks in use that no table names are memory nobody can use")
+def invariant_memory_never_overcommitted(state: SchedulerState) -> str | None:
+    for name, manager in _devices(state).items():
+        named = {b for t in manager.tables.values() for b in t}
+        in_use = {b for b, r in enumerate(manager.pool.refcounts) if r > 0}
+        if len(named) > manager.pool.capacity:
+            return f"{name} tables name {len(named)} blocks, the device has {manager.pool.capacity}"
+        if named != in_use:
+            return f"{name} pool counts {len(in_use)} blocks in use, its tables name {len(named)}"
+    return None
+
+
+@invariant("blocks a waiting, finished or aborted request still holds are lost to everyone for good")
+def invariant_no_leak_across_preemption(state: SchedulerState) -> str | None:
+    holding = {g.request.request_id for g in state.groups if g.location != "waiting"}
+    for name, manager in _devices(state).items():
+        stray = sorted({repr(s) for s in manager.tables if not (isinstance(s, tuple) and s[0] in holding)})
+        if stray:
+            return f"{name} holds sequences {stray} of requests that are waiting, finished or gone"
+        if not state.groups and manager.pool.num_free != manager.pool.capacity:
+            return (
+                f"nothing is unfinished, yet {name} has {manager.pool.capacity - manager.pool.num_free} blocks in use"
+            )
+    return None
+
+
+@invariant("a group's samples share blocks and run together: split across devices, neither half can run")
+def invariant_group_on_one_device(state: SchedulerState) -> str | None:
+    for group in state.groups:
+        home = {"running": "gpu", "swapped": "cpu"}.get(group.location)
+        for name, manager in _devices(state).items():
+            present = [s for s in group.seqs if s in manager.tables]
+            expected = list(group.seqs) if name == home else []
+            if present != expected:
+                return f"request {group.request.request_id!r} is {group.location}, yet {name} holds {present}"
+    return None
+
+
+@invariant("a swapped group must come back with exactly the KV it left with, or it continues from corrupt state")
+def invariant_swap_restores_contents(state: SchedulerState) -> str | None:
+    for group in state.groups:
+        manager = {"running": state.gpu, "swapped": state.cpu}.get(group.location)
+        for sample, seq in enumerate(group.seqs):
+            if manager is None or seq not in manager.tables:
+                continue
+            tokens = group.tokens(sample)
+            got = read_through_table(manager.contents, manager.tables[seq], len(tokens), manager.block_size)
+            if got != tokens:
+                return f"{group.location} sequence {seq!r} reads back {got}, expected {tokens}"
+    return None
+
+
+@invariant("preemption is invisible to the user: a recomputed request continues with the same tokens")
+def invariant_recompute_restores_tokens(state: SchedulerState) -> str | None:
+    for group in state.groups:
+        manager = {"running": state.gpu, "swapped": state.cpu}.get(group.location)
+        if manager is None:
+            continue
+        for sample, seq in enumerate(group.seqs):
+            if seq in manager.tokens and manager.tokens[seq] != group.tokens(sample):
+                return (
+                    f"sequence {seq!r} holds {manager.tokens[seq]}, its prompt and samples are {group.tokens(sample)}"
+                )
+    return None
+
+
+@invariant("the oldest request must always make progress; preempting it is what lets a scheduler livelock")
+def invariant_oldest_never_preempted(before: SchedulerState, report: StepReport) -> str | None:
+    if before.groups and any(rid == before.groups[0].request.request_id for rid, _ in report.preempted):
+        return f"request {before.groups[0].request.request_id!r}, the earliest unfinished, was preempted"
+    return None
+
+
+@invariant("first come, first served: overtaking starves large requests and breaks the deadlock-freedom argument")
+def invariant_admission_in_arrival_order(after: SchedulerState, report: StepReport) -> str | None:
+    arrival = {rid: i for i, rid in enumerate(after.arrived)}
+    order = [arrival[rid] for rid in report.admitted]
+    if order != sorted(order):
+        return f"admitted {list(report.admitted)} out of arrival order"
+    waiting = [g for g in after.groups if g.location != "running"]
+    if order and waiting and waiting[0].arrival < order[-1]:
+        return f"admitted {report.admitted[-1]!r} ahead of earlier request {waiting[0].request.request_id!r}"
+    return None
+
+
+@invariant("deadlock freedom: when every request fits alone, each finishes within the bound the spec states")
+def invariant_finishes_within_bound(state: SchedulerState, deadlines: Mapping[RequestId, int]) -> str | None:
+    for group in state.groups:
+        due = deadlines[group.request.request_id]
+        if state.steps > due:
+            return f"request {group.request.request_id!r} is still {group.location} at step {state.steps}, due by {due}"
+    return None
+
+
+@invariant("the implementation must be in exactly the state the specification model predicts")
+def invariant_scheduler_refines_spec(actual: SchedulerState, expected: SchedulerState) -> str | None:
+    if view(actual) != view(expected):
+        return diff_states(view(actual), view(expected))
+    return None
