@@ -35,7 +35,12 @@ def check(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--profile", default="ci", choices=profiles.PROFILES)
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    parser.add_argument("--machine", default="", help="run only the machines whose name contains this text")
     args = parser.parse_args(argv)
+    chosen = [(layer, path) for layer, path in suite.MACHINES if args.machine in layer]
+    if not chosen:
+        print(f"kvspec check: no machine matches {args.machine!r}", file=sys.stderr)
+        return 2
     try:
         path, implementation = harness.select(args.impl)
     except harness.BadImplementation as error:
@@ -43,11 +48,11 @@ def check(argv: Sequence[str]) -> int:
         return 2
     settings.load_profile(args.profile)
     outcomes = []
-    for i, (layer, machine_path) in enumerate(suite.MACHINES, 1):
-        print(f"[{i}/{len(suite.MACHINES)}] {layer} ...", file=sys.stderr, flush=True)
+    for i, (layer, machine_path) in enumerate(chosen, 1):
+        print(f"[{i}/{len(chosen)}] {layer} ...", file=sys.stderr, flush=True)
         outcomes.append((layer, harness.run_machine(suite.load_machine(machine_path), implementation, settings())))
     rows = []
-    for name, rule in REGISTRY.items():
+    for name, rule in sorted(REGISTRY.items(), key=lambda item: item[1].layer):
         checks = sum(outcome.checks.get(name, 0) for _, outcome in outcomes)
         violated = [layer for layer, outcome in outcomes if outcome.invariant == name]
         verdict = "VIOLATED" if violated else ("held" if checks else "not exercised")

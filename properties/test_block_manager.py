@@ -9,15 +9,15 @@ checked too, with the table entries as the holders of each block.
 
 from __future__ import annotations
 
-from hypothesis import event, given
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, multiple, rule
 
 from properties.harness import LockstepMachine, implementation_under_test, scaled
 from spec import block_manager as model
 from spec import block_pool
+from spec.block_manager import WritePlan
 from spec.block_pool import POLICIES
-from spec.invariants import require
 
 TOKENS = st.integers(0, 9)
 NOT_TOKENS = st.sampled_from([-1, 1.5, True, "7", None])
@@ -51,25 +51,23 @@ class BlockManagerMachine(LockstepMachine):
         }
         self.where: dict[int, str] = {}  # live sequence -> the device that holds it
         self.next_id = 0
-        self.copies = 0
+        self.block_size = block_size
 
     def fresh_id(self) -> int:
         self.next_id += 1
         return self.next_id - 1
 
-    def write(self, label: str, device: str, spec_call, impl_call) -> bool:
+    def write(self, label: str, device: str, spec_call, impl_call) -> WritePlan | None:
         result = self.lockstep(label, spec_call, impl_call, self.managers[device].snapshot)
         if result is None:
-            return False
+            return None
         (self.models[device], expected), actual = result
         self.check("invariant_copy_on_write_exact", expected.copies, actual.copies)
         self.check("invariant_result_matches_spec", expected, actual)
-        self.copies += len(actual.copies)
         event("copy-on-write happened" if actual.copies else "write without copy")
-        return True
+        return actual
 
-    @rule(target=seqs, device=DEVICES, prompt=PROMPTS)
-    def add_sequence(self, device: str, prompt: list[int]):
+    def add(self, device: str, prompt: list[int]) -> int | None:
         seq, m = self.fresh_id(), self.managers[device]
         added = self.write(
             f"{device}.add_sequence({seq}, {prompt})",
@@ -77,24 +75,22 @@ class BlockManagerMachine(LockstepMachine):
             lambda: model.add_sequence(self.models[device], seq, prompt),
             lambda: m.add_sequence(seq, prompt),
         )
-        if not added:
-            return multiple()
+        if added is None:
+            return None
         self.where[seq] = device
         return seq
 
-    @rule(seq=seqs, tokens=APPENDS)
-    def append(self, seq: int, tokens: list[int]) -> None:
+    def extend(self, seq: int, tokens: list[int]) -> WritePlan | None:
         device = self.where.get(seq, "gpu")
         m = self.managers[device]
-        self.write(
+        return self.write(
             f"{device}.append({seq}, {tokens})",
             device,
             lambda: model.append(self.models[device], seq, tokens),
             lambda: m.append(seq, tokens),
         )
 
-    @rule(target=seqs, parent=seqs)
-    def fork(self, parent: int):
+    def fork_of(self, parent: int) -> int | None:
         device, child = self.where.get(parent, "gpu"), self.fresh_id()
         m = self.managers[device]
         before = m.snapshot()
@@ -105,11 +101,38 @@ class BlockManagerMachine(LockstepMachine):
             m.snapshot,
         )
         if result is None:
-            return multiple()
+            return None
         self.models[device] = result[0]
         self.check("invariant_fork_allocates_nothing", before, m.snapshot(), parent, child)
         self.where[child] = device
         return child
+
+    @rule(target=seqs, device=DEVICES, prompt=PROMPTS)
+    def add_sequence(self, device: str, prompt: list[int]):
+        seq = self.add(device, prompt)
+        return multiple() if seq is None else seq
+
+    @rule(seq=seqs, tokens=APPENDS)
+    def append(self, seq: int, tokens: list[int]) -> None:
+        self.extend(seq, tokens)
+
+    @rule(target=seqs, parent=seqs)
+    def fork(self, parent: int):
+        child = self.fork_of(parent)
+        return multiple() if child is None else child
+
+    @rule(target=seqs, prompt=PROMPTS, n=st.integers(2, 4))
+    def parallel_sampling(self, prompt: list[int], n: int):
+        """Lecture exercise 4: a prompt, n - 1 forks of it, then each of the n samples writes a token."""
+        parent = self.add("gpu", prompt)
+        samples = [parent] if parent is not None else []
+        while samples and len(samples) < n and (child := self.fork_of(parent)) is not None:
+            samples.append(child)
+        plans = [self.extend(sample, [10 + i]) for i, sample in enumerate(samples)]
+        if len(samples) == n and None not in plans:
+            copies = sum(len(plan.copies) for plan in plans)
+            self.check("invariant_parallel_sampling_copies", n, len(prompt), self.block_size, copies)
+        return multiple(*samples)
 
     @rule(target=freed, seq=consumes(seqs))
     def free(self, seq: int):
@@ -218,18 +241,3 @@ class RealisticBlockManagerMachine(BlockManagerMachine):
 TestBlockManager = BlockManagerMachine.bind(implementation_under_test()).TestCase
 TestRealisticBlockManager = RealisticBlockManagerMachine.bind(implementation_under_test()).TestCase
 TestRealisticBlockManager.settings = scaled(0.2)
-
-
-@given(n=st.integers(1, 8), prompt_len=st.integers(1, 70), block_size=st.sampled_from([1, 2, 3, 4, 16]))
-def test_parallel_sampling_copies(n: int, prompt_len: int, block_size: int) -> None:
-    """Lecture exercise 4: n samples forked from one prompt, each writing one token."""
-    implementation = implementation_under_test()
-    blocks = model.blocks_for(prompt_len, block_size) + n
-    manager = implementation.block_manager(implementation.block_pool(blocks, "lru"), block_size)
-    manager.add_sequence(0, list(range(prompt_len)))
-    for child in range(1, n):
-        manager.fork(0, child)
-    copies = sum(len(manager.append(sample, [1000 + sample]).copies) for sample in range(n))
-    require("invariant_parallel_sampling_copies", n, prompt_len, block_size, copies)
-    for sample in range(n):
-        require("invariant_result_matches_spec", tuple(range(prompt_len)) + (1000 + sample,), manager.read(sample))

@@ -1,0 +1,59 @@
+"""Choosing the implementation under test: a bad choice fails fast, a broken one fails loudly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_bad_kv_impl_fails_at_start_up_with_one_line() -> None:
+    result = run("-m", "pytest", "-q", "--kv-impl=no_such_module:factory", "properties/test_block_pool.py")
+    assert result.returncode == 4  # pytest's usage error: nothing ran
+    reason = [line for line in result.stderr.splitlines() if "--kv-impl" in line]
+    assert len(reason) == 1 and "no_such_module" in reason[0], result.stderr
+
+
+def test_pytest_against_a_broken_pool_names_the_invariant() -> None:
+    result = run(
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:randomly",
+        "--kv-impl=impl.broken.block_pool:leaks_on_free",
+        "properties/test_block_pool.py::TestBlockPool",
+    )
+    assert result.returncode == 1
+    assert "invariant_no_leak violated" in result.stdout
+    assert "state.release" in result.stdout  # Hypothesis prints the shrunk sequence of rules
+
+
+def test_kvspec_check_reports_the_violation_with_its_steps() -> None:
+    result = run(
+        "-m",
+        "kvspec.cli",
+        "check",
+        "--impl",
+        "impl.broken.block_pool:leaks_on_free",
+        "--machine",
+        "block pool",
+        "--json",
+    )
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    violated = {row["invariant"] for row in report["invariants"] if row["verdict"] == "VIOLATED"}
+    assert violated == {"invariant_no_leak"}
+    for violation in report["violations"]:
+        assert violation["steps"][0].startswith("pool = block_pool(")
+        assert violation["steps"][-1].startswith("release")
+
+
+def test_kvspec_check_passes_the_reference() -> None:
+    result = run("-m", "kvspec.cli", "check", "--machine", "block pool")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "CONFORMS" in result.stdout and "VIOLATED" not in result.stdout
