@@ -129,8 +129,8 @@ class BlockPool:
         return blocks
 
     def share(self, blocks: Sequence[int]) -> None:
+        self._check_all(blocks)
         for block in blocks:
-            self._check(block)
             if self._refcounts[block] == 0 and self._hashes[block] is None:
                 raise InvalidOperation(f"block {block} is free and uncached: its contents are gone")
         for block in blocks:
@@ -140,13 +140,14 @@ class BlockPool:
             self._uses[block] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
-        distinct = len(set(blocks)) == len(blocks)
-        for block, times in zip(blocks, itertools.repeat(1)) if distinct else Counter(blocks).items():
-            self._check(block)
-            if self._refcounts[block] < times:
-                raise InvalidOperation(
-                    f"block {block} released {times} time(s) but holds {self._refcounts[block]} reference(s)"
-                )
+        self._check_all(blocks)
+        refcounts = self._refcounts
+        if len(set(blocks)) != len(blocks) or any(refcounts[b] == 0 for b in blocks):
+            for block, times in Counter(blocks).items():
+                if refcounts[block] < times:
+                    raise InvalidOperation(
+                        f"block {block} released {times} time(s) but holds {refcounts[block]} reference(s)"
+                    )
         for block in blocks:
             self._refcounts[block] -= 1
             if self._refcounts[block] == 0:
@@ -191,6 +192,12 @@ class BlockPool:
         if block_hash is not None:
             del self._cached[block_hash]
             self._hashes[block] = None
+
+    def _check_all(self, blocks: Sequence[int]) -> None:
+        """``_check`` for many blocks, with the common all-valid case in C-level builtins."""
+        if blocks and not (all(type(b) is int for b in blocks) and min(blocks) >= 0 and max(blocks) < self._capacity):
+            for block in blocks:
+                self._check(block)
 
     def _check(self, block: object) -> None:
         if type(block) is not int or not 0 <= block < self._capacity:
