@@ -14,8 +14,9 @@
 2. Overload (lecture §6.3): 1,500 ShareGPT-like requests on OPT-13B / A100-40GB
    (12,596 token slots, B = 16: 787 blocks; 1 % watermark), preempting by
    recompute, at arrival rates from just above capacity to heavy overload.
-   Lengths are log-normal (sigma 1) with means 161 (input) and 338 (output),
-   clipped to [1, 2048] and to 2,048 tokens in all (OPT's context); arrivals
+   Lengths are log-normal (sigma 1), clipped to [1, 2048] and to 2,048 tokens
+   in all (OPT's context), scaled so that the clipped sample means are
+   ShareGPT's 161 (input) and 338 (output) as in the vLLM paper; arrivals
    are Poisson; seeded.  Time advances per iteration by a step-time model:
    decode reads the 26 GB of weights and every held KV slot (819,200 B) at the
    A100's 1.555 TB/s; prefill (new prompts and recomputation) costs the matmul
@@ -48,6 +49,8 @@ A100_FLOPS, UTILISATION, A100_HBM_BYTES_PER_S = 312e12, 0.6, 1.555e12
 TOKEN_SLOTS = 12_596  # lecture §3.3 / exercise 1: KV slots of OPT-13B on an A100-40GB
 LECTURE_RECOMPUTE_1024_MS = 143.77  # lecture exercise 6
 MATMUL_FLOPS_PER_TOKEN = 2 * (12 * LAYERS * HIDDEN**2 + HIDDEN * VOCAB)
+MEAN_INPUT, MEAN_OUTPUT, CONTEXT = 161, 338, 2048  # ShareGPT as in the vLLM paper (§6.1); OPT's context
+DEFAULT_MULTIPLES = (1.1, 1.5, 2.0, 4.0)
 
 
 # -- 1. swap vs recompute ------------------------------------------------------------------
@@ -102,15 +105,22 @@ def swap_table(tokens: int = 1024, block_sizes: Sequence[int] = tuple(2**i for i
 
 
 def sharegpt_like(count: int, seed: int) -> list[tuple[int, int]]:
-    """(input, output) lengths: log-normal, sigma 1, means 161 and 338, clipped to 2,048 tokens in all."""
+    """(input, output) lengths: log-normal (sigma 1), scaled so that after clipping to OPT's
+    2,048-token context the sample means are exactly ShareGPT's 161 and 338."""
     rng = np.random.default_rng(seed)
-    sigma = 1.0
-    inputs = rng.lognormal(math.log(161) - sigma**2 / 2, sigma, count)
-    outputs = rng.lognormal(math.log(338) - sigma**2 / 2, sigma, count)
-    lengths = []
-    for i, o in zip(inputs, outputs, strict=True):
-        prompt = int(min(max(round(i), 1), 2047))
-        lengths.append((prompt, int(min(max(round(o), 1), 2048 - prompt))))
+    prompts = _clipped_lognormal(rng, MEAN_INPUT, count, np.full(count, CONTEXT - 1))
+    outputs = _clipped_lognormal(rng, MEAN_OUTPUT, count, CONTEXT - prompts)
+    return list(zip(prompts.tolist(), outputs.tolist(), strict=True))
+
+
+def _clipped_lognormal(rng: np.random.Generator, mean: float, count: int, upper: np.ndarray) -> np.ndarray:
+    draws = rng.lognormal(0.0, 1.0, count)
+    scale = mean / draws.mean()
+    for _ in range(50):  # clipping lowers the mean: rescale until the clipped sample has the target mean
+        lengths = np.clip(np.round(draws * scale), 1, upper).astype(int)
+        if abs(lengths.mean() - mean) < 0.05:
+            break
+        scale *= mean / lengths.mean()
     return lengths
 
 
@@ -157,7 +167,7 @@ def serve(lengths: Sequence[tuple[int, int]], arrival_times: Sequence[float], bl
     }
 
 
-def overload(count: int = 1500, seed: int = 0, multiples: Sequence[float] = (1.1, 4.0)) -> dict:
+def overload(count: int = 1500, seed: int = 0, multiples: Sequence[float] = DEFAULT_MULTIPLES) -> dict:
     lengths = sharegpt_like(count, seed)
     saturated = serve(lengths, [0.0] * count)
     capacity = saturated["throughput_rps"]
@@ -224,7 +234,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--multiples", type=float, nargs="+", default=[1.1, 4.0], help="arrival rates, as multiples of capacity"
+        "--multiples",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_MULTIPLES),
+        help="arrival rates, as multiples of capacity",
     )
     args = parser.parse_args(argv)
     results = {
