@@ -50,7 +50,7 @@ TOKEN_SLOTS = 12_596  # lecture §3.3 / exercise 1: KV slots of OPT-13B on an A1
 LECTURE_RECOMPUTE_1024_MS = 143.77  # lecture exercise 6
 MATMUL_FLOPS_PER_TOKEN = 2 * (12 * LAYERS * HIDDEN**2 + HIDDEN * VOCAB)
 MEAN_INPUT, MEAN_OUTPUT, CONTEXT = 161, 338, 2048  # ShareGPT as in the vLLM paper (§6.1); OPT's context
-DEFAULT_MULTIPLES = (1.1, 1.5, 2.0, 4.0)
+DEFAULT_MULTIPLES = (0.9, 1.1, 1.5, 4.0)  # one below capacity shows where preemption starts
 
 
 # -- 1. swap vs recompute ------------------------------------------------------------------
