@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from impl.attention import paged_decode_attention
 from impl.block_manager import BlockManager
 from impl.block_pool import BlockPool
-from impl.paged_kv import PagedKVCache
+from impl.paged_kv import ContiguousKVCache, PagedKVCache
 from impl.prefix_caching import PrefixCachingBlockManager
 from impl.radix_cache import RadixCache
 from impl.scheduler import Scheduler
+from impl.tiny_model import ModelConfig, TinyModel
 from spec.implementation import Implementation
 
 
@@ -18,6 +20,9 @@ def reference() -> Implementation:
         block_pool=BlockPool,
         block_manager=BlockManager,
         paged_kv_cache=PagedKVCache,
+        tiny_model=lambda **sizes: TinyModel(ModelConfig(**sizes)),
+        contiguous_kv_cache=ContiguousKVCache,
+        decode_attention=paged_decode_attention,
         prefix_caching_manager=PrefixCachingBlockManager,
         radix_cache=RadixCache,
         scheduler=Scheduler,

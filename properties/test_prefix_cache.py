@@ -1,12 +1,17 @@
 """Layer 3 conformance: the prefix-caching manager against ``spec.prefix_cache``'s model.
 
 The machine drives add (with extra keys) / append / fork / free / lookup /
-evict, valid and invalid, and probes the hash chain with one-token changes.
-Prompts are drawn mostly as a cut of an earlier prompt plus new tokens from a
-three-letter alphabet, so hits, partial hits and duplicate blocks are common.
-It learns the relation between the implementation's hashes and the spec's
-ideal keys as it sees them, requires it to stay a bijection, and compares
-states through it.  Every pool and manager invariant is checked as well.
+evict, valid and invalid, serves whole requests the way an engine does
+(look the prompt up, admit it, decode, finish), and probes the hash chain
+with one-token and extra-key changes.  Prompts start with a cut of one of
+three fixed documents (two share their first block and a token) and end with
+new tokens from a three-letter alphabet, so hits, partial hits and duplicate
+blocks are common; sequence ids come from a few fixed slots.  Every draw
+means the same thing whatever ran before it, so failures shrink to a few
+steps.  The machine learns the relation between the implementation's hashes
+and the spec's ideal keys as it sees them, requires it to stay a bijection,
+and compares states through it.  Every pool and manager invariant is checked
+as well.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from experiments.prefix_cache import few_shot
 from properties.harness import LockstepMachine, implementation_under_test, scaled
 from spec import block_manager, block_pool
 from spec import prefix_cache as model
@@ -25,6 +29,16 @@ TOKENS = st.integers(0, 2)
 EXTRA_KEYS = st.sampled_from([None, None, "lora-a", ("tenant", 7)])
 NOT_EXTRA_KEYS = st.sampled_from([1.5, ["list"], frozenset({1})])
 NOT_TOKENS = st.sampled_from([-1, 1.5, True, "7", None])
+SEQS = st.integers(0, 3)  # the slots that sequences live in
+REQUEST = 4  # the id a whole request is served under (serve_request frees it before returning)
+
+
+def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
+    """Three fixed texts prompts start from: the first two share one block and a token, the third nothing."""
+    first = tuple(i % 3 for i in range(3 * block_size + 1))
+    second = first[: block_size + 1] + tuple((t + 1) % 3 for t in first[block_size + 1 :])
+    third = tuple(2 - t for t in first)
+    return first, second, third
 
 
 class PrefixCacheMachine(LockstepMachine):
@@ -42,33 +56,15 @@ class PrefixCacheMachine(LockstepMachine):
         pool = self.implementation.block_pool(capacity, policy)
         self.manager = self.implementation.prefix_caching_manager(pool, block_size)
         self.block_size = block_size
-        self.prompts: list[tuple[int, ...]] = []
         self.pairs: set[tuple[object, model.IdealKey]] = set()
-        self.next_id = 0
-
-    # -- drawing -------------------------------------------------------------------
-
-    def seq_id(self, data: st.DataObject, *, fresh: bool) -> int:
-        """Mostly a new id (fresh) or a live sequence; sometimes one that makes the operation invalid."""
-        live = sorted(self.model.manager.tables)
-        usual = data.draw(st.integers(0, 4), label="usual id") > 0
-        if fresh and usual:
-            choice = self.next_id
-        elif not fresh and usual and live:
-            choice = data.draw(st.sampled_from(live), label="live seq")
-        else:
-            choice = data.draw(st.integers(0, self.next_id), label="any seq")
-        self.next_id = max(self.next_id, choice + 1)
-        return choice
-
-    def prompt(self, data: st.DataObject) -> list[int]:
-        size = self.block_size
-        fresh = data.draw(st.lists(TOKENS, max_size=2 * size + 1), label="new tokens")
-        if not self.prompts or data.draw(st.booleans(), label="from scratch"):
-            return fresh or [0]
-        base = data.draw(st.sampled_from(self.prompts), label="earlier prompt")
-        cut = data.draw(st.integers(0, len(base)), label="cut")
-        return list(base[:cut]) + fresh or [0]
+        texts = documents(block_size)
+        self.prompts = st.builds(
+            lambda text, cut, new: list(text[:cut]) + new or [0],
+            st.sampled_from(texts),
+            st.integers(0, len(texts[0])),
+            st.lists(TOKENS, max_size=block_size + 1),
+        )
+        self.new_tokens = st.lists(TOKENS, max_size=block_size + 2)
 
     # -- learning the hash <-> ideal key relation ------------------------------------
 
@@ -109,11 +105,12 @@ class PrefixCacheMachine(LockstepMachine):
         self.check("invariant_evicts_only_what_is_needed", before.pool, after.pool, allocated)
         event("prefix hit" if actual.cached_tokens else "no hit")
 
-    @rule(data=st.data())
-    def add_sequence(self, data: st.DataObject) -> None:
-        seq, prompt = self.seq_id(data, fresh=True), self.prompt(data)
-        extra_key = data.draw(EXTRA_KEYS, label="extra key")
-        self.prompts.append(tuple(prompt))
+    @rule(seq=SEQS, data=st.data(), extra_key=EXTRA_KEYS)
+    def add_sequence(self, seq: int, data: st.DataObject, extra_key: model.ExtraKey) -> None:
+        self.admit(seq, data.draw(self.prompts, label="prompt"), extra_key)
+
+    def admit(self, seq: int, prompt: list[int], extra_key: model.ExtraKey) -> None:
+        """What a scheduler does: ask what is cached (changing nothing), then add the sequence."""
         self.query_cached_prefix(prompt, extra_key)
         self.write(
             f"manager.add_sequence({seq}, {prompt}, extra_key={extra_key!r})",
@@ -123,25 +120,11 @@ class PrefixCacheMachine(LockstepMachine):
             hits_possible=True,
         )
 
-    @rule(data=st.data())
-    def add_malformed_sequence(self, data: st.DataObject) -> None:
-        seq = self.seq_id(data, fresh=True)
-        prompt = data.draw(st.lists(st.one_of(TOKENS, NOT_TOKENS), max_size=3), label="prompt")
-        extra_key = data.draw(st.one_of(EXTRA_KEYS, NOT_EXTRA_KEYS), label="extra key")
-        self.write(
-            f"manager.add_sequence({seq}, {prompt!r}, extra_key={extra_key!r})",
-            seq,
-            lambda: model.add_sequence(self.model, seq, prompt, extra_key),
-            lambda: self.manager.add_sequence(seq, prompt, extra_key),
-            hits_possible=True,
-        )
+    @rule(seq=SEQS, data=st.data())
+    def append(self, seq: int, data: st.DataObject) -> None:
+        self.extend(seq, data.draw(self.new_tokens, label="tokens"))
 
-    @rule(data=st.data())
-    def append(self, data: st.DataObject) -> None:
-        seq = self.seq_id(data, fresh=False)
-        tokens = data.draw(
-            st.lists(st.one_of(TOKENS, TOKENS, NOT_TOKENS), max_size=self.block_size + 2), label="tokens"
-        )
+    def extend(self, seq: int, tokens: list[object]) -> None:
         self.write(
             f"manager.append({seq}, {tokens!r})",
             seq,
@@ -150,9 +133,31 @@ class PrefixCacheMachine(LockstepMachine):
             hits_possible=False,
         )
 
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        parent, child = self.seq_id(data, fresh=False), self.seq_id(data, fresh=True)
+    @rule(data=st.data(), extra_key=EXTRA_KEYS)
+    def serve_request(self, data: st.DataObject, extra_key: model.ExtraKey) -> None:
+        """A whole request: look up, admit, decode, finish -- its full blocks stay cached in the free queue."""
+        self.admit(REQUEST, data.draw(self.prompts, label="prompt"), extra_key)
+        self.extend(REQUEST, data.draw(self.new_tokens, label="decoded"))
+        self.release(REQUEST)
+
+    @rule(seq=SEQS, append=st.booleans(), data=st.data())
+    def malformed(self, seq: int, append: bool, data: st.DataObject) -> None:
+        """An add or append with tokens that are not token ids, or an extra key that is not hashable data."""
+        tokens = data.draw(st.lists(st.one_of(TOKENS, NOT_TOKENS), max_size=3), label="tokens")
+        if append:
+            self.extend(seq, tokens)
+            return
+        extra_key = data.draw(st.one_of(EXTRA_KEYS, NOT_EXTRA_KEYS), label="extra key")
+        self.write(
+            f"manager.add_sequence({seq}, {tokens!r}, extra_key={extra_key!r})",
+            seq,
+            lambda: model.add_sequence(self.model, seq, tokens, extra_key),
+            lambda: self.manager.add_sequence(seq, tokens, extra_key),
+            hits_possible=True,
+        )
+
+    @rule(parent=SEQS, child=SEQS)
+    def fork(self, parent: int, child: int) -> None:
         result = self.lockstep(
             f"manager.fork({parent}, {child})",
             lambda: model.fork(self.model, parent, child),
@@ -162,11 +167,11 @@ class PrefixCacheMachine(LockstepMachine):
         if result is not None:
             self.model = result[0]
 
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
-        seq = self.seq_id(data, fresh=False)
-        if seq in self.model.manager.tokens:
-            self.prompts.append(self.model.manager.tokens[seq])  # its full blocks stay cached: worth looking up
+    @rule(seq=SEQS)
+    def free(self, seq: int) -> None:
+        self.release(seq)
+
+    def release(self, seq: int) -> None:
         result = self.lockstep(
             f"manager.free({seq})",
             lambda: model.free(self.model, seq),
@@ -176,13 +181,9 @@ class PrefixCacheMachine(LockstepMachine):
         if result is not None:
             self.model = result[0]
 
-    @rule(data=st.data())
-    def lookup(self, data: st.DataObject) -> None:
-        if self.prompts and data.draw(st.booleans(), label="an earlier prompt as is"):
-            tokens = list(data.draw(st.sampled_from(self.prompts), label="earlier prompt"))
-        else:
-            tokens = self.prompt(data)
-        self.query_cached_prefix(tokens, data.draw(EXTRA_KEYS, label="extra key"))
+    @rule(data=st.data(), extra_key=EXTRA_KEYS)
+    def lookup(self, data: st.DataObject, extra_key: model.ExtraKey) -> None:
+        self.query_cached_prefix(data.draw(self.prompts, label="prompt"), extra_key)
 
     def query_cached_prefix(self, tokens: list[int], extra_key: model.ExtraKey) -> None:
         """What a scheduler asks before admitting (vLLM's get_computed_blocks): it must change nothing."""
@@ -200,6 +201,8 @@ class PrefixCacheMachine(LockstepMachine):
         self.learn(tuple(tokens), extra_key)
         self.check("invariant_hits_stop_at_first_miss", len(expected), len(actual) * size, size)
         self.check("invariant_hit_is_exact_prefix", before.pool, before.contents, actual, tokens, size)
+        free_queue = model.abstract(self.model).pool.free_queue  # a lookup is not a use: no block moves
+        self.check("invariant_eviction_order", free_queue, self.manager.snapshot().pool.free_queue)
 
     @rule(n=st.integers(-1, 3))
     def evict(self, n: int) -> None:
@@ -216,19 +219,19 @@ class PrefixCacheMachine(LockstepMachine):
         self.check("invariant_in_use_never_reclaimed", before.pool, self.manager.snapshot().pool, actual)
         self.check("invariant_eviction_order", expected, actual)
 
-    @rule(data=st.data())
-    def change_one_token(self, data: st.DataObject) -> None:
-        """Lecture exercise 10: one changed token re-hashes its block and every later one."""
+    @rule(data=st.data(), extra_key=EXTRA_KEYS, other_key=EXTRA_KEYS)
+    def probe_hash_chain(self, data: st.DataObject, extra_key: model.ExtraKey, other_key: model.ExtraKey) -> None:
+        """Lecture exercise 10: one changed token re-hashes its block and every later one; so does another extra key."""
         size = self.block_size
         tokens = data.draw(st.lists(TOKENS, min_size=size, max_size=4 * size), label="tokens")
-        extra_key = data.draw(EXTRA_KEYS, label="extra key")
         position = data.draw(st.integers(0, len(tokens) - 1), label="position")
         changed = list(tokens)
         changed[position] = tokens[position] + 1
-        self.record(f"manager.block_hashes({tokens}) vs token {position} -> {changed[position]}")
+        self.record(f"manager.block_hashes({tokens}) vs token {position} -> {changed[position]}, vs {other_key!r}")
         original = self.learn(tuple(tokens), extra_key)
         altered = self.learn(tuple(changed), extra_key)
         self.check("invariant_hash_change_propagates", original, altered, position // size)
+        self.learn(tuple(tokens), other_key)
 
     # -- after every step ----------------------------------------------------------
 
@@ -291,16 +294,3 @@ def test_extra_key_separates_equal_prompts() -> None:
     manager.add_sequence(0, list(range(9)), extra_key="adapter-a")
     assert manager.add_sequence(1, list(range(9)), extra_key="adapter-b").cached_tokens == 0
     assert manager.add_sequence(2, list(range(9)), extra_key="adapter-a").cached_tokens == 8
-
-
-def test_lecture_exercise_7_few_shot_savings() -> None:
-    """Lecture §14 exercise 7 (exact): 8 requests, 5-shot prefix of 341 tokens, 20-token questions, B = 16:
-    536 of 2,888 prefill tokens computed (81 % saved).  A partial tail block is never a hit."""
-    implementation = implementation_under_test()
-
-    def manager(capacity: int, block_size: int):
-        return implementation.prefix_caching_manager(implementation.block_pool(capacity, "lru"), block_size)
-
-    result = few_shot("exercise 7", 341, [20] * 8, 16, manager)
-    assert (result.computed, result.without_cache) == (536, 2888)
-    assert round(100 * result.saved) == 81

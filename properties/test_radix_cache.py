@@ -1,8 +1,11 @@
 """Layer 3, radix form: the radix cache against ``spec.radix_cache``'s model.
 
 The first machine drives insert / match_prefix / lock / unlock / evict, valid
-and invalid, over keys drawn mostly as a cut of an earlier key plus new
-tokens (so paths branch and nodes split).  The second has a radix cache and a
+and invalid, and serves requests as SGLang does: a request starts by matching
+its prompt, caching it and locking it, runs while other requests evict, and
+finishes by unlocking.  Keys are short strings over a three-letter alphabet,
+drawn without looking at the state (so paths branch and nodes split often,
+and a failure shrinks to a few steps).  The second has a radix cache and a
 chained-hash prefix-caching manager with room to spare serve the same
 requests (add, append, free, lookup); asked the same prefix, their hits must
 agree at block granularity.
@@ -12,55 +15,68 @@ from __future__ import annotations
 
 from hypothesis import event
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant, rule
+from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 
 from properties.harness import LockstepMachine, implementation_under_test
 from spec import radix_cache as model
 
 TOKENS = st.integers(0, 2)
+KEYS = st.lists(TOKENS, max_size=6)
 NOT_TOKENS = st.sampled_from([-1, 1.5, None])
 AMPLE_BLOCKS = 4096
+CACHE_BUDGET = 8  # tokens a request's admission keeps the cache within, evicting
+
+
+def drawn_key(data: st.DataObject, earlier: list[tuple[int, ...]], *, min_size: int = 0) -> list[int]:
+    """Mostly a cut of an earlier key plus new tokens, so that requests share prefixes."""
+    fresh = data.draw(st.lists(TOKENS, max_size=6), label="new tokens")
+    if earlier and data.draw(st.booleans(), label="extend an earlier key"):
+        base = data.draw(st.sampled_from(earlier), label="earlier key")
+        fresh = list(base[: data.draw(st.integers(0, len(base)), label="cut")]) + fresh
+    return fresh if len(fresh) >= min_size else fresh + [0] * (min_size - len(fresh))
 
 
 class RadixCacheMachine(LockstepMachine):
+    running = Bundle("running")  # the keys that running requests hold locked
+
     @initialize()
     def start(self) -> None:
         self.record("radix = radix_cache()")
         self.model = model.new_radix()
         self.radix = self.implementation.radix_cache()
-        self.keys: list[tuple[int, ...]] = []
         self.next_value = 0
-
-    def key(self, data: st.DataObject, earlier: list[tuple[int, ...]], *, min_size: int = 0) -> list[int]:
-        fresh = data.draw(st.lists(TOKENS, max_size=6), label="new tokens")
-        if earlier and data.draw(st.booleans(), label="extend an earlier key"):
-            base = data.draw(st.sampled_from(earlier), label="earlier key")
-            fresh = list(base[: data.draw(st.integers(0, len(base)), label="cut")]) + fresh
-        return fresh if len(fresh) >= min_size else fresh + [0] * (min_size - len(fresh))
 
     # -- the radix cache against its model ---------------------------------------------
 
-    @rule(data=st.data())
-    def insert(self, data: st.DataObject) -> None:
-        key = self.key(data, self.keys)
+    def values_for(self, key: list[int], corrupt: bool) -> list[int]:
         values = list(range(self.next_value, self.next_value + len(key)))
-        if data.draw(st.integers(0, 9), label="corrupt") == 0:
-            values = values[:-1] + [-1] if values else [0]
         self.next_value += len(key)
-        self.keys.append(tuple(key))
+        return (values[:-1] + [-1] if values else [0]) if corrupt else values
+
+    @rule(key=KEYS, corrupt=st.integers(0, 9).map(lambda n: n == 0))
+    def insert(self, key: list[int], corrupt: bool) -> None:
+        self.insert_both(key, self.values_for(key, corrupt))
+
+    def insert_both(self, key: list[int], values: list[int]) -> bool:
         result = self.lockstep(
             f"radix.insert({key}, {values})",
             lambda: model.insert(self.model, key, values),
             lambda: self.radix.insert(key, values),
             self.radix.snapshot,
         )
-        if result is not None:
-            (self.model, expected), actual = result
-            self.check("invariant_result_matches_spec", expected, actual)
+        if result is None:
+            return False
+        (self.model, expected), actual = result
+        self.check("invariant_result_matches_spec", expected, actual)
+        return True
 
-    @rule(data=st.data())
-    def match_prefix(self, data: st.DataObject) -> None:
-        key = self.key(data, self.keys)
+    @rule(key=KEYS)
+    def match_prefix(self, key: list[int]) -> None:
+        """A match alone, as a scheduler ranking its waiting requests by prefix does."""
+        self.match_both(key)
+
+    def match_both(self, key: list[int]) -> int:
+        """Match ``key`` on both sides; the number of tokens that hit."""
         result = self.lockstep(
             f"radix.match_prefix({key})",
             lambda: model.match_prefix(self.model, key),
@@ -71,15 +87,10 @@ class RadixCacheMachine(LockstepMachine):
             (self.model, expected), actual = result
             self.check("invariant_radix_match_is_longest", expected, actual)
             event("radix hit" if actual else "radix miss")
+            return len(actual)
+        return 0
 
-    @rule(data=st.data(), unlock=st.booleans())
-    def lock_or_unlock(self, data: st.DataObject, unlock: bool) -> None:
-        candidates = sorted(self.model.locks if unlock else self.model.values)
-        if candidates and data.draw(st.integers(0, 3), label="an existing key") > 0:
-            key = list(data.draw(st.sampled_from(candidates), label="key"))
-        else:
-            key = self.key(data, self.keys)
-        operation = "unlock" if unlock else "lock"
+    def lock_both(self, operation: str, key: list[int]) -> bool:
         result = self.lockstep(
             f"radix.{operation}({key})",
             lambda: getattr(model, operation)(self.model, key),
@@ -88,9 +99,34 @@ class RadixCacheMachine(LockstepMachine):
         )
         if result is not None:
             self.model = result[0]
+        return result is not None
+
+    @rule(key=KEYS, unlock=st.booleans())
+    def lock_or_unlock(self, key: list[int], unlock: bool) -> None:
+        """A lock or unlock of any key: an uncached key, or one holding no lock, is rejected."""
+        self.lock_both("unlock" if unlock else "lock", key)
+
+    @rule(target=running, key=st.lists(TOKENS, min_size=1, max_size=6))
+    def start_request(self, key: list[int]) -> list[int]:
+        """SGLang's admission: match the prompt, evict least recently used leaves to make room for the rest
+        within a budget of cached tokens, cache it, and lock the whole path while the request runs."""
+        matched = self.match_both(key)
+        over_budget = len(self.model.values) + len(key) - matched - CACHE_BUDGET
+        if over_budget > 0:
+            self.evict_both(over_budget)
+        self.insert_both(key, self.values_for(key, corrupt=False))
+        self.lock_both("lock", key)
+        return key
+
+    @rule(key=consumes(running))
+    def finish_request(self, key: list[int]) -> None:
+        self.lock_both("unlock", key)
 
     @rule(n=st.integers(-1, 8))
     def evict(self, n: int) -> None:
+        self.evict_both(n)
+
+    def evict_both(self, n: int) -> None:
         before = self.radix.snapshot()
         result = self.lockstep(
             f"radix.evict({n})", lambda: model.evict(self.model, n), lambda: self.radix.evict(n), self.radix.snapshot
@@ -128,7 +164,8 @@ class RadixAgreesWithChainedHashMachine(LockstepMachine):
         self.requests: list[tuple[int, ...]] = []
         self.next_seq = 0
 
-    key = RadixCacheMachine.key
+    def key(self, data: st.DataObject, earlier: list[tuple[int, ...]], *, min_size: int = 0) -> list[int]:
+        return drawn_key(data, earlier, min_size=min_size)
 
     @rule(data=st.data())
     def serve_request(self, data: st.DataObject) -> None:

@@ -12,7 +12,9 @@ Rules:
   to run every machine.
 * ``block_manager(pool, block_size)`` returns a ``spec.block_manager.BlockManager``.
 * Later layers add their own factories here, each documented in the spec
-  module that defines its protocol.
+  module that defines its protocol (layer 5's ``paged_kv_cache``,
+  ``tiny_model``, ``contiguous_kv_cache`` and ``decode_attention``: in
+  ``spec.paged_attention``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ class Implementation:
     radix_cache: Callable[..., Any] | None = None  # see spec.radix_cache
     scheduler: Callable[..., Any] | None = None  # see spec.scheduler
     paged_kv_cache: Callable[..., Any] | None = None  # see spec.paged_attention
+    # Layer 5's yardstick and kernels (see spec.paged_attention); a user normally leaves them to the reference:
+    tiny_model: Callable[..., Any] | None = None  # tiny_model(**sizes): the model whose logits are compared
+    contiguous_kv_cache: Callable[..., Any] | None = None  # contiguous_kv_cache(shape): the contiguous twin
+    decode_attention: Callable[..., Any] | None = None  # the batched decode kernel over block tables
 
     def complete_with(self, reference: Implementation) -> Implementation:
         """Fill every component this implementation leaves out from ``reference``."""

@@ -43,7 +43,16 @@ simply keeps every sequence's K and V in one array.
 
 ``Implementation.paged_kv_cache(manager, shape)`` takes a
 ``spec.block_manager.BlockManager`` and a ``KVShape`` and returns a
-``PagedKVCache`` that stores KV for that manager's pool.
+``PagedKVCache`` that stores KV for that manager's pool.  The yardstick the
+properties measure it with comes through the same record, from the reference
+unless replaced: ``tiny_model(vocab=, d_model=, heads=, kv_heads=, layers=,
+mlp=, seed=)`` returns a model with ``config.kv_shape`` and ``forward(cache,
+batch)`` (the logits of each batch entry); ``contiguous_kv_cache(shape)``
+returns the contiguous twin (``KVCache`` and ``SequenceStore``); and
+``decode_attention(queries, key_blocks, value_blocks, tables, lengths,
+chunk_blocks)`` is the batched decode kernel -- one query ``[heads, d]`` per
+sequence over head-major blocks ``[kv_heads, num_blocks, B, d]`` -- whose
+outputs must equal formula (4).
 
 Invariants:
 
