@@ -165,15 +165,14 @@ class Outcome:
         return self.invariant is None
 
 
-SHRINKING_PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink)  # explain is slow and adds nothing
-
-
 def run_machine(
     machine: type[LockstepMachine], implementation: Implementation, settings: Settings | None = None
 ) -> Outcome:
     """Run ``machine`` against ``implementation``; report the first invariant violated, shrunk."""
     bound = machine.bind(implementation)
-    settings = Settings(settings or Settings(), report_multiple_bugs=False, phases=SHRINKING_PHASES)
+    settings = settings or Settings()
+    phases = [phase for phase in settings.phases if phase is not Phase.explain]  # slow, and adds nothing here
+    settings = Settings(settings, report_multiple_bugs=False, phases=phases)
     invariant, detail = None, ""
     try:
         run_state_machine_as_test(bound, settings=settings)

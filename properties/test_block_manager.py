@@ -127,8 +127,12 @@ class BlockManagerMachine(LockstepMachine):
         parent = self.add("gpu", prompt)
         samples = [parent] if parent is not None else []
         while samples and len(samples) < n and (child := self.fork_of(parent)) is not None:
+            self.managers_match_spec()
             samples.append(child)
-        plans = [self.extend(sample, [10 + i]) for i, sample in enumerate(samples)]
+        plans = []
+        for i, sample in enumerate(samples):
+            self.managers_match_spec()
+            plans.append(self.extend(sample, [10 + i]))
         if len(samples) == n and None not in plans:
             copies = sum(len(plan.copies) for plan in plans)
             self.check("invariant_parallel_sampling_copies", n, len(prompt), self.block_size, copies)
