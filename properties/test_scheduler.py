@@ -37,18 +37,21 @@ STATE_INVARIANTS = (
 )
 
 
+SIZES = {
+    "gpu_blocks": st.integers(3, 8),
+    "cpu_blocks": st.integers(1, 6),
+    "block_size": st.integers(1, 4),
+    "watermark": st.integers(0, 2),
+}
+
+
 class SchedulerMachineBase(LockstepMachine):
     """Builds the scheduler under test and checks every invariant that needs no model."""
 
     preemption: ClassVar[Preemption] = "recompute"
     samples: ClassVar[st.SearchStrategy[int]] = st.integers(1, 3)
 
-    @initialize(
-        gpu_blocks=st.integers(3, 8),
-        cpu_blocks=st.integers(1, 6),
-        block_size=st.integers(1, 4),
-        watermark=st.integers(0, 2),
-    )
+    @initialize(**SIZES)
     def start(self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int) -> None:
         self.config = SchedulerConfig(preemption=self.preemption, watermark=watermark)
         self.record(f"scheduler(gpu_blocks={gpu_blocks}, cpu_blocks={cpu_blocks}, B={block_size}, {self.config})")
@@ -112,12 +115,7 @@ class SchedulerMachineBase(LockstepMachine):
 class SchedulerMachine(SchedulerMachineBase):
     """Lockstep with the model, preempting by recompute."""
 
-    @initialize(
-        gpu_blocks=st.integers(3, 8),
-        cpu_blocks=st.integers(1, 6),
-        block_size=st.integers(1, 4),
-        watermark=st.integers(0, 2),
-    )
+    @initialize(**SIZES)
     def start(self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int) -> None:
         super().start(gpu_blocks, cpu_blocks, block_size, watermark)
         self.model = model.new_model(
