@@ -148,6 +148,17 @@ def scaled(fraction: float) -> Settings:
     return Settings(current, max_examples=max(5, int(current.max_examples * fraction)))
 
 
+def conformance_test(machine: type[LockstepMachine], examples: float = 1.0) -> type:
+    """The pytest-collected test case of ``machine`` against the implementation under test.
+
+    ``examples`` scales the profile's example count, for machines whose steps are costly.
+    """
+    test = machine.bind(implementation_under_test()).TestCase
+    if examples != 1.0:
+        test.settings = scaled(examples)
+    return test
+
+
 @attrs.frozen
 class Outcome:
     """The verdict of one machine against one implementation."""

@@ -13,7 +13,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, multiple, rule
 
-from properties.harness import LockstepMachine, implementation_under_test, scaled
+from properties.harness import LockstepMachine, conformance_test
 from spec import block_manager as model
 from spec import block_pool
 from spec.block_manager import WritePlan
@@ -242,6 +242,5 @@ class RealisticBlockManagerMachine(BlockManagerMachine):
     block_sizes = st.just(16)
 
 
-TestBlockManager = BlockManagerMachine.bind(implementation_under_test()).TestCase
-TestRealisticBlockManager = RealisticBlockManagerMachine.bind(implementation_under_test()).TestCase
-TestRealisticBlockManager.settings = scaled(0.2)
+TestBlockManager = conformance_test(BlockManagerMachine)
+TestRealisticBlockManager = conformance_test(RealisticBlockManagerMachine, examples=0.2)

@@ -14,7 +14,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from properties.harness import LockstepMachine, implementation_under_test, scaled
+from properties.harness import LockstepMachine, conformance_test
 from spec import block_pool as model
 from spec.block_pool import POLICIES
 
@@ -192,6 +192,5 @@ class RealisticBlockPoolMachine(BlockPoolMachine):
     capacities = st.just(1024)
 
 
-TestBlockPool = BlockPoolMachine.bind(implementation_under_test()).TestCase
-TestRealisticBlockPool = RealisticBlockPoolMachine.bind(implementation_under_test()).TestCase
-TestRealisticBlockPool.settings = scaled(0.2)
+TestBlockPool = conformance_test(BlockPoolMachine)
+TestRealisticBlockPool = conformance_test(RealisticBlockPoolMachine, examples=0.2)

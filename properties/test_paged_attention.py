@@ -30,7 +30,7 @@ from hypothesis import event, given, target
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from properties.harness import LockstepMachine, implementation_under_test
+from properties.harness import LockstepMachine, conformance_test, implementation_under_test
 from spec import block_manager as model
 from spec import block_pool
 from spec.invariants import require
@@ -190,7 +190,7 @@ class PagedAttentionMachine(LockstepMachine):
         super().teardown()
 
 
-TestPagedAttention = PagedAttentionMachine.bind(implementation_under_test()).TestCase
+TestPagedAttention = conformance_test(PagedAttentionMachine)
 
 
 def softmax_attention(query: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from properties.harness import LockstepMachine, implementation_under_test, scaled
+from properties.harness import LockstepMachine, conformance_test, implementation_under_test
 from spec import block_manager, block_pool
 from spec import prefix_cache as model
 from spec.block_pool import POLICIES
@@ -270,9 +270,8 @@ class RealisticPrefixCacheMachine(PrefixCacheMachine):
     block_sizes = st.just(16)
 
 
-TestPrefixCache = PrefixCacheMachine.bind(implementation_under_test()).TestCase
-TestRealisticPrefixCache = RealisticPrefixCacheMachine.bind(implementation_under_test()).TestCase
-TestRealisticPrefixCache.settings = scaled(0.2)
+TestPrefixCache = conformance_test(PrefixCacheMachine)
+TestRealisticPrefixCache = conformance_test(RealisticPrefixCacheMachine, examples=0.2)
 
 
 def test_shared_system_prompt_hits_whole_blocks() -> None:

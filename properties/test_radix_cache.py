@@ -17,7 +17,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 
-from properties.harness import LockstepMachine, implementation_under_test
+from properties.harness import LockstepMachine, conformance_test, implementation_under_test
 from spec import radix_cache as model
 
 TOKENS = st.integers(0, 2)
@@ -207,8 +207,8 @@ class RadixAgreesWithChainedHashMachine(LockstepMachine):
         event("block-level hit on both" if chained_blocks else "no block-level hit")
 
 
-TestRadixCache = RadixCacheMachine.bind(implementation_under_test()).TestCase
-TestRadixAgreesWithChainedHash = RadixAgreesWithChainedHashMachine.bind(implementation_under_test()).TestCase
+TestRadixCache = conformance_test(RadixCacheMachine)
+TestRadixAgreesWithChainedHash = conformance_test(RadixAgreesWithChainedHashMachine)
 
 
 def test_lru_leaf_first_eviction_keeps_the_shared_trunk() -> None:

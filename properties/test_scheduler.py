@@ -19,7 +19,7 @@ from hypothesis import event, target
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from properties.harness import LockstepMachine, implementation_under_test
+from properties.harness import LockstepMachine, conformance_test
 from spec import block_manager, block_pool
 from spec import scheduler as model
 from spec.errors import RequestTooLarge
@@ -226,6 +226,6 @@ class DeadlockFreedomMachine(SchedulerMachineBase):
             self.stepped(before, self.scheduler.step())
 
 
-TestSchedulerRecompute = SchedulerMachine.bind(implementation_under_test()).TestCase
-TestSchedulerSwap = SwapSchedulerMachine.bind(implementation_under_test()).TestCase
-TestDeadlockFreedom = DeadlockFreedomMachine.bind(implementation_under_test()).TestCase
+TestSchedulerRecompute = conformance_test(SchedulerMachine)
+TestSchedulerSwap = conformance_test(SwapSchedulerMachine)
+TestDeadlockFreedom = conformance_test(DeadlockFreedomMachine)
