@@ -1,7 +1,7 @@
 """Batched decode: blockwise paged attention vs contiguous attention, as a ratio of wall times.
 
-    python bench/bench_attention.py [--sequences 32 --length 2048 --kv-heads 8 --heads 32
-                                     --head-dim 128 --block-size 16 --chunk-blocks 16 --repeats 7]
+    python -m bench.bench_attention [--sequences 32 --length 2048 --kv-heads 8 --heads 32
+                                     --head-dim 128 --block-size 16 --chunk-blocks 4 --repeats 7]
 
 Both sides run the same online-softmax kernel on the same float32 K/V with
 head-major layouts; the paged side gathers ``chunk-blocks`` blocks at a time
