@@ -20,6 +20,7 @@ MACHINES: tuple[tuple[str, str], ...] = (
     ("radix cache", "properties.test_radix_cache:RadixCacheMachine"),
     ("radix = chained hash", "properties.test_radix_cache:RadixAgreesWithChainedHashMachine"),
     ("paged attention logits", "properties.test_paged_attention:PagedAttentionMachine"),
+    ("paged attention: hits, swap, recompute", "properties.test_paged_attention_lifecycle:PagedLifecycleMachine"),
     ("scheduler (recompute)", "properties.test_scheduler:SchedulerMachine"),
     ("scheduler (swap)", "properties.test_scheduler:SwapSchedulerMachine"),
     ("scheduler deadlock freedom", "properties.test_scheduler:DeadlockFreedomMachine"),

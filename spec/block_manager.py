@@ -20,7 +20,9 @@ Rules (vLLM §4.2-4.4 and §5, lecture §4-5):
 * ``move_sequences(src, dst, seqs)`` moves a group of sequences to another
   device's manager (swap): all of their distinct blocks are copied into freshly
   allocated blocks of ``dst`` -- all or nothing -- the sharing inside the
-  group is kept, and the blocks are released in ``src``.
+  group is kept, and the blocks are released in ``src``.  Moved blocks arrive
+  uncached: ``dst``'s prefix cache does not learn them, so a later prompt
+  recomputes rather than hits them (swap is for resuming, not for sharing).
 * Every operation is all or nothing: ``OutOfBlocks`` or ``InvalidOperation``
   leaves the manager and its pool as they were.
 

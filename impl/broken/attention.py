@@ -6,6 +6,8 @@ holds -- and breaks only what the KV storage or the attention does with it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import numpy as np
 
@@ -64,3 +66,23 @@ def reads_stale_block_table() -> Implementation:
 
 def softmax_without_rescale() -> Implementation:
     return _with_cache("broken: online softmax without the rescale", SoftmaxWithoutRescale)
+
+
+class SwapPairsSortedBlocks(PagedKVCache):
+    """Swap batches its copies as two sorted index lists, losing which source block goes to which destination.
+
+    The manager's mapping pairs blocks in order of first use; sorting each side is right only while that order
+    is ascending on both devices -- true for a fresh pool, false once frees and evictions have shuffled them.
+    """
+
+    def move_sequences(self, dst: PagedKVCache, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]:
+        mapping = self.manager.move_sequences(dst.manager, seqs)
+        sources, destinations = sorted(s for s, _ in mapping), sorted(d for _, d in mapping)
+        for layer in range(self.shape.num_layers):
+            dst._keys[layer][destinations] = self._keys[layer][sources]
+            dst._values[layer][destinations] = self._values[layer][sources]
+        return mapping
+
+
+def swap_pairs_sorted_blocks() -> Implementation:
+    return _with_cache("broken: swap pairs sorted source and destination blocks", SwapPairsSortedBlocks)

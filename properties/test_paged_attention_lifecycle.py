@@ -1,0 +1,307 @@
+"""Layer 5 conformance across a sequence's life: paged = contiguous through prefix hits, swaps and recompute.
+
+``invariant_paged_equals_contiguous`` must hold for any interleaving of
+prefill, decode, fork, prefix hits, swap round trips and recompute.  This
+machine drives the paged KV cache over a *prefix-caching* manager, on a pool
+small enough that cached blocks are evicted, and adds the three things a
+sequence's KV lives through besides decoding:
+
+* **prefix hit** -- a new prompt starts with a cut of one of three fixed
+  documents (two share their first block), so its leading full blocks are
+  often cached: they are shared, and its forward computes only the suffix;
+* **swap** -- a group moves with ``move_sequences`` to a CPU-side paged cache
+  over a prefix-caching manager of its own, waits there while other sequences
+  reuse the GPU blocks it left, and comes back (then decodes at once);
+* **recompute** -- a sequence is freed and its prompt plus generated tokens
+  admitted again as one prefill (often a hit on its own blocks, still cached
+  in the free queue), then decodes.
+
+The contiguous twin does none of this: each of its sequences computes every
+position exactly once, and the machine keeps the twin's logits of every
+position (``history``).  Every paged forward -- a suffix after a hit, a
+decode after a swap, the prefill of a recompute -- is compared with the
+twin's logits for the same positions.  The GPU and CPU managers run in
+lockstep with ``spec.prefix_cache``'s model, so verdicts (no room to admit,
+a full CPU, a full GPU on swap-in) and hit lengths are the spec's.  Sequence
+ids live in a few fixed slots, as in ``properties.test_paged_attention``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, rule
+
+from properties.harness import LockstepMachine, conformance_test
+from spec import block_manager, block_pool
+from spec import prefix_cache as model
+from spec.block_pool import POLICIES
+from spec.paged_attention import PagedKVCache
+
+SIZES = {"vocab": 16, "d_model": 8, "heads": 2, "kv_heads": 1, "layers": 2, "mlp": 16, "seed": 7}
+VOCAB = SIZES["vocab"]
+TOKENS = st.integers(0, VOCAB - 1)
+BLOCK_SIZES = st.one_of(st.sampled_from([1, 2, 3, 4, 16]), st.integers(1, 8))
+TOKEN_BUDGET = 48  # GPU pool capacity in tokens, roughly: a few sequences, so admissions evict cached blocks
+SLOTS = 6
+SEQS = st.integers(0, SLOTS - 1)
+
+
+def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
+    """Three texts prompts start from: the first two share their first block and a token, the third nothing."""
+    first = tuple((3 * i + 1) % VOCAB for i in range(2 * block_size + 2))
+    second = first[: block_size + 1] + tuple((t + 5) % VOCAB for t in first[block_size + 1 :])
+    third = tuple(VOCAB - 1 - t for t in first)
+    return first, second, third
+
+
+def move_sequences(
+    src: model.CachingManager, dst: model.CachingManager, seqs: Sequence[block_manager.SeqId]
+) -> tuple[model.CachingManager, model.CachingManager]:
+    """Layer 2's move for caching managers: the group's extra keys travel with it (its blocks arrive uncached)."""
+    src_manager, dst_manager, _ = block_manager.move_sequences(src.manager, dst.manager, seqs)
+    keys = {seq: src.extra_keys[seq] for seq in seqs}
+    src = attrs.evolve(src, manager=src_manager, extra_keys={s: k for s, k in src.extra_keys.items() if s not in keys})
+    return src, attrs.evolve(dst, manager=dst_manager, extra_keys={**dst.extra_keys, **keys})
+
+
+def forgotten(before: block_pool.Pool, after: block_pool.Pool) -> int:
+    """Cached blocks whose hash an operation dropped: evictions."""
+    return sum(1 for old, new in zip(before.block_hashes, after.block_hashes, strict=True) if old not in (None, new))
+
+
+class PagedLifecycleMachine(LockstepMachine):
+    @initialize(
+        block_size=BLOCK_SIZES,
+        slack=st.integers(-1, 2),
+        cpu_share=st.sampled_from([0.25, 0.5, 1.0]),
+        policy=st.sampled_from(POLICIES),
+    )
+    def start(self, block_size: int, slack: int, cpu_share: float, policy: block_pool.Policy) -> None:
+        texts = documents(block_size)
+        longest_prompt = len(texts[0]) + block_size
+        capacity = max(block_manager.blocks_for(longest_prompt, block_size) + 1, TOKEN_BUDGET // block_size + slack)
+        cpu_capacity = max(1, int(capacity * cpu_share))
+        self.record(
+            f"gpu, cpu, twin = caches(block_size={block_size}, gpu={capacity} blocks, cpu={cpu_capacity}, {policy})"
+        )
+        implementation = self.implementation
+        self.model = implementation.tiny_model(**SIZES)
+        shape = self.model.config.kv_shape
+
+        def paged_cache(blocks: int) -> PagedKVCache:
+            pool = implementation.block_pool(blocks, policy)
+            return implementation.paged_kv_cache(implementation.prefix_caching_manager(pool, block_size), shape)
+
+        self.gpu, self.cpu = paged_cache(capacity), paged_cache(cpu_capacity)
+        self.twin = implementation.contiguous_kv_cache(shape)
+        self.gpu_model = model.new_caching_manager(block_size, block_pool.new_pool(capacity, policy))
+        self.cpu_model = model.new_caching_manager(block_size, block_pool.new_pool(cpu_capacity, policy))
+        self.block_size = block_size
+        self.prompts = st.builds(
+            lambda text, cut, new: list(text[:cut]) + new or [0],
+            st.sampled_from(texts),
+            st.integers(0, len(texts[0])),
+            st.lists(TOKENS, max_size=block_size),
+        )
+        self.history: dict[int, list[np.ndarray]] = {}  # the twin's logits of each position, per live sequence
+        self.swapped: list[tuple[int, ...]] = []  # groups on the CPU, in the order they left
+
+    # -- where sequences are ---------------------------------------------------------
+
+    def on_gpu(self) -> list[int]:
+        return sorted(self.gpu_model.manager.tables)
+
+    def empty_slots(self) -> list[int]:
+        return [seq for seq in range(SLOTS) if seq not in self.history]
+
+    @staticmethod
+    def nearest(candidates: Sequence[int], slot: int) -> int | None:
+        """The drawn slot if it is a candidate, else the next one (cyclically): stable as other slots change."""
+        return min(candidates, key=lambda seq: (seq - slot) % SLOTS, default=None)
+
+    def both_managers(self) -> tuple[object, object]:
+        return self.gpu.manager.snapshot(), self.cpu.manager.snapshot()
+
+    # -- the paged side, in lockstep with the spec -------------------------------------
+
+    def admit(self, seq: int, tokens: Sequence[int], why: str) -> Sequence[int] | None:
+        """Add or extend ``seq`` on the GPU; the positions its forward computes, or None if rejected."""
+        before = self.gpu_model.manager.pool
+        if seq in self.gpu_model.manager.tables:
+            result = self.lockstep(
+                f"gpu.append({seq}, {list(tokens)})",
+                lambda: model.append(self.gpu_model, seq, tokens),
+                lambda: self.gpu.append(seq, tokens),
+                self.gpu.manager.snapshot,
+            )
+            if result is None:
+                return None
+            (self.gpu_model, _), _ = result
+            computed = tokens
+        else:
+            result = self.lockstep(
+                f"gpu.add_sequence({seq}, {list(tokens)})",
+                lambda: model.add_sequence(self.gpu_model, seq, tokens),
+                lambda: self.gpu.add_sequence(seq, tokens),
+                self.gpu.manager.snapshot,
+            )
+            if result is None:
+                return None
+            (self.gpu_model, plan), cached = result
+            size = self.block_size
+            self.check("invariant_hits_stop_at_first_miss", plan.cached_tokens // size, cached, size)
+            hits = cached // size
+            event(f"{why}: hit of {hits if hits < 4 else '4+'} blocks")
+            computed = tokens[cached:]
+        if forgotten(before, self.gpu_model.manager.pool):
+            event("a write evicted cached blocks")
+        return computed
+
+    def forward(self, batch: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """The paged forward of ``batch``; its logits must be the twin's for the same positions."""
+        if not batch:
+            return
+        self.record(f"gpu forward({[(seq, list(tokens)) for seq, tokens in batch]})")
+        paged = self.model.forward(self.gpu, batch)
+        expected = []
+        for seq, tokens in batch:
+            end = len(self.gpu_model.manager.tokens[seq])
+            expected.append(np.stack(self.history[seq][end - len(tokens) : end]))
+        self.check("invariant_paged_equals_contiguous", [seq for seq, _ in batch], paged, expected)
+
+    def run_batch(self, entries: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
+        """One iteration: admit or extend each entry on both sides, then one ragged forward each; who ran."""
+        paged_batch, twin_batch = [], []
+        for seq, tokens in entries:
+            computed = self.admit(seq, tokens, "admission")
+            if computed is None:
+                continue
+            if seq in self.history:
+                self.twin.append(seq, tokens)
+            else:
+                self.twin.add_sequence(seq, tokens)
+                self.history[seq] = []
+            paged_batch.append((seq, computed))
+            twin_batch.append((seq, tokens))
+        if twin_batch:
+            for (seq, _), logits in zip(twin_batch, self.model.forward(self.twin, twin_batch), strict=True):
+                self.history[seq].extend(logits)
+        self.forward(paged_batch)
+        return [seq for seq, _ in paged_batch]
+
+    def free_both(self, seq: int) -> bool:
+        result = self.lockstep(
+            f"gpu.free({seq})",
+            lambda: model.free(self.gpu_model, seq),
+            lambda: self.gpu.free(seq),
+            self.gpu.manager.snapshot,
+        )
+        if result is None:
+            return False
+        self.gpu_model = result[0]
+        return True
+
+    def forget(self, seq: int) -> None:
+        self.twin.free(seq)
+        del self.history[seq]
+
+    # -- rules -------------------------------------------------------------------------
+
+    @rule(data=st.data(), slots=st.lists(SEQS, min_size=1, max_size=3, unique=True))
+    def step(self, data: st.DataObject, slots: list[int]) -> None:
+        """A ragged batch: new prompts (empty slots), which may hit the cache, beside decodes (sequences on the GPU)."""
+        on_gpu, entries = self.on_gpu(), []
+        for seq in slots:
+            if seq in on_gpu:
+                entries.append((seq, [data.draw(TOKENS, label=f"token of {seq}")]))
+            elif seq not in self.history:
+                entries.append((seq, data.draw(self.prompts, label=f"prompt of {seq}")))
+        if len(self.run_batch(entries)) > 1:
+            event("ragged batch" if len({len(tokens) for _, tokens in entries}) > 1 else "uniform batch")
+
+    @rule(parent=SEQS, child=SEQS)
+    def fork(self, parent: int, child: int) -> None:
+        """A fork shares every block; the next write of either side into a partial one copies on write."""
+        if not self.empty_slots():
+            return  # every id is taken on the GPU or the CPU; a scheduler never reuses one that is swapped out
+        parent = self.nearest(self.on_gpu(), parent) if self.on_gpu() else parent  # none: rejected
+        child = self.nearest(self.empty_slots(), child)
+        result = self.lockstep(
+            f"gpu.fork({parent}, {child})",
+            lambda: model.fork(self.gpu_model, parent, child),
+            lambda: self.gpu.fork(parent, child),
+            self.gpu.manager.snapshot,
+        )
+        if result is not None:
+            self.gpu_model = result[0]
+            self.twin.fork(parent, child)
+            self.history[child] = list(self.history[parent])
+
+    @rule(slot=SEQS)
+    def free(self, slot: int) -> None:
+        """The nearest sequence on the GPU; a swapped-out one (its blocks are on the CPU) must be rejected."""
+        swapped = {seq for group in self.swapped for seq in group}
+        seq = slot if slot in swapped or not self.on_gpu() else self.nearest(self.on_gpu(), slot)
+        if self.free_both(seq):
+            self.forget(seq)
+
+    @rule(slots=st.lists(SEQS, min_size=1, max_size=3))
+    def swap_out(self, slots: list[int]) -> None:
+        """A group leaves for the CPU, all or nothing; with nothing on the GPU the move must be rejected."""
+        group = tuple(sorted({self.nearest(self.on_gpu(), slot) if self.on_gpu() else slot for slot in slots}))
+        result = self.lockstep(
+            f"gpu.move_sequences(cpu, {list(group)})",
+            lambda: move_sequences(self.gpu_model, self.cpu_model, group),
+            lambda: self.gpu.move_sequences(self.cpu, group),
+            self.both_managers,
+        )
+        if result is not None:
+            (self.gpu_model, self.cpu_model), _ = result
+            self.swapped.append(group)
+            event(f"swap out: group of {len(group)}")
+
+    @rule(index=st.integers(0, SLOTS - 1), token=TOKENS)
+    def swap_in(self, index: int, token: int) -> None:
+        """A group comes back to the GPU and decodes in the same iteration, as a scheduler resumes it."""
+        group = self.swapped[index % len(self.swapped)] if self.swapped else (index,)  # none: rejected
+        before = self.gpu_model.manager.pool
+        result = self.lockstep(
+            f"cpu.move_sequences(gpu, {list(group)})",
+            lambda: move_sequences(self.cpu_model, self.gpu_model, group),
+            lambda: self.cpu.move_sequences(self.gpu, group),
+            self.both_managers,
+        )
+        if result is None:
+            return
+        (self.cpu_model, self.gpu_model), _ = result
+        self.swapped.remove(group)
+        if forgotten(before, self.gpu_model.manager.pool):
+            event("a swap-in evicted cached blocks")
+        if self.run_batch([(seq, [token]) for seq in group]):
+            event("decode after a swap round trip")
+
+    @rule(slot=SEQS, token=TOKENS)
+    def recompute(self, slot: int, token: int) -> None:
+        """Preemption by recompute: free, then prefill prompt + generated again; the twin keeps its KV."""
+        seq = self.nearest(self.on_gpu(), slot)
+        if seq is None:
+            return
+        tokens = self.gpu_model.manager.tokens[seq]
+        if not self.free_both(seq):
+            return
+        computed = self.admit(seq, tokens, "recompute")
+        if computed is None:
+            event("recompute found no room: the sequence is dropped")
+            self.forget(seq)
+            return
+        self.forward([(seq, computed)])
+        if self.run_batch([(seq, [token])]):
+            event("decode after a recompute")
+
+
+TestPagedAttentionLifecycle = conformance_test(PagedLifecycleMachine)
