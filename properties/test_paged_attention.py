@@ -73,31 +73,23 @@ class PagedAttentionMachine(LockstepMachine):
 
     def admit(self, seq: int, tokens: Sequence[int]) -> Sequence[int] | None:
         """Add or extend ``seq`` on both sides; the positions to compute, or None if rejected."""
-        if seq in self.spec_manager.tables:
-            result = self.lockstep(
-                f"paged.append({seq}, {list(tokens)})",
-                lambda: model.append(self.spec_manager, seq, tokens),
-                lambda: self.paged.append(seq, tokens),
-                self.paged.manager.snapshot,
-            )
-            if result is None:
-                return None
-            (self.spec_manager, plan), _ = result
-            self.twin.append(seq, tokens)
-            self.copies += len(plan.copies)
-            return tokens
+        extending = seq in self.spec_manager.tables
+        operation = "append" if extending else "add_sequence"
         result = self.lockstep(
-            f"paged.add_sequence({seq}, {list(tokens)})",
-            lambda: model.add_sequence(self.spec_manager, seq, tokens),
-            lambda: self.paged.add_sequence(seq, tokens),
+            f"paged.{operation}({seq}, {list(tokens)})",
+            lambda: getattr(model, operation)(self.spec_manager, seq, tokens),
+            lambda: getattr(self.paged, operation)(seq, tokens),
             self.paged.manager.snapshot,
         )
         if result is None:
             return None
-        (self.spec_manager, _), cached = result
-        self.twin.add_sequence(seq, tokens)
+        (self.spec_manager, plan), answer = result
+        getattr(self.twin, operation)(seq, tokens)
+        if extending:
+            self.copies += len(plan.copies)
+            return tokens
         self.generation[seq] = 0
-        return tokens[cached:]
+        return tokens[answer:]  # add_sequence answers how many leading tokens were cached
 
     def admit_and_forward(self, batch: Sequence[tuple[int, Sequence[int]]]) -> None:
         admitted = [(seq, self.admit(seq, tokens)) for seq, tokens in batch]

@@ -348,7 +348,7 @@ def _resume_demand(model: Model, group: Group) -> int:
 
 
 def _release(model: Model, group: Group) -> Model:
-    device = {"running": "gpu", "swapped": "cpu"}.get(group.location)
+    device = DEVICE_OF.get(group.location)
     if device is None:
         return model
     manager = getattr(model, device)
@@ -410,6 +410,9 @@ def view(state: SchedulerState) -> View:
 # -- invariants ------------------------------------------------------------------------
 
 
+DEVICE_OF = {"running": "gpu", "swapped": "cpu"}  # where a group's blocks live; a waiting group holds none
+
+
 def _devices(state: SchedulerState) -> dict[str, ManagerState]:
     return {"gpu": state.gpu, "cpu": state.cpu}
 
@@ -443,7 +446,7 @@ def invariant_no_leak_across_preemption(state: SchedulerState) -> str | None:
 @invariant("a group's samples share blocks and run together: split across devices, neither half can run")
 def invariant_group_on_one_device(state: SchedulerState) -> str | None:
     for group in state.groups:
-        home = {"running": "gpu", "swapped": "cpu"}.get(group.location)
+        home = DEVICE_OF.get(group.location)
         for name, manager in _devices(state).items():
             present = [s for s in group.seqs if s in manager.tables]
             expected = list(group.seqs) if name == home else []
@@ -455,7 +458,7 @@ def invariant_group_on_one_device(state: SchedulerState) -> str | None:
 @invariant("a swapped group must come back with exactly the KV it left with, or it continues from corrupt state")
 def invariant_swap_restores_contents(state: SchedulerState) -> str | None:
     for group in state.groups:
-        manager = {"running": state.gpu, "swapped": state.cpu}.get(group.location)
+        manager = _devices(state).get(DEVICE_OF.get(group.location, ""))
         for sample, seq in enumerate(group.seqs):
             if manager is None or seq not in manager.tables:
                 continue
@@ -469,7 +472,7 @@ def invariant_swap_restores_contents(state: SchedulerState) -> str | None:
 @invariant("preemption is invisible to the user: a recomputed request continues with the same tokens")
 def invariant_recompute_restores_tokens(state: SchedulerState) -> str | None:
     for group in state.groups:
-        manager = {"running": state.gpu, "swapped": state.cpu}.get(group.location)
+        manager = _devices(state).get(DEVICE_OF.get(group.location, ""))
         if manager is None:
             continue
         for sample, seq in enumerate(group.seqs):
