@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from experiments.report import emit_json, table
-from impl.attention import contiguous_decode_attention, paged_decode_attention
+from kvspec.experiments.report import emit_json, table
+from kvspec.impl.attention import contiguous_decode_attention, paged_decode_attention
 
 
 def elapsed(call: Callable[[], np.ndarray]) -> float:

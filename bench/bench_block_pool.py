@@ -15,8 +15,8 @@ import time
 
 from hypothesis import settings
 
-from experiments.report import table
-from properties import harness, profiles, suite
+from kvspec.experiments.report import table
+from kvspec.properties import harness, profiles, suite
 
 BLOCKS, BLOCK_SIZE = 4_096, 16
 

@@ -1,6 +1,6 @@
 """Time of replaying both Mooncake traces at all 8 capacities x both policies.
 
-The pool path is ``experiments.trace.replay_all`` (the reference ``BlockPool``
+The pool path is ``kvspec.experiments.trace.replay_all`` (the reference ``BlockPool``
 as a global cache, on two processes); the lower bound replays the same jobs
 through a plain ``OrderedDict`` LRU in one process (no reference counts, no
 free queue, no LFU: the least any replay must do).  Prints both and the ratio.
@@ -14,7 +14,7 @@ import sys
 import time
 from collections import OrderedDict
 
-from experiments import trace as traces
+from kvspec.experiments import trace as traces
 
 
 def dict_replay(blocks: tuple[tuple[int, ...], ...], capacity: int | None) -> int:

@@ -23,13 +23,13 @@ from collections.abc import Hashable, Sequence
 import attrs
 import numpy as np
 
-from experiments.report import emit_json, progress, table
-from impl.block_manager import BlockManager
-from impl.block_pool import BlockPool
-from impl.paged_kv import ContiguousKVCache, PagedKVCache
-from impl.tiny_model import ModelConfig, TinyModel, step
-from spec.block_manager import blocks_for
-from spec.paged_attention import max_abs_difference
+from kvspec.experiments.report import emit_json, progress, table
+from kvspec.impl.block_manager import BlockManager
+from kvspec.impl.block_pool import BlockPool
+from kvspec.impl.paged_kv import ContiguousKVCache, PagedKVCache
+from kvspec.impl.tiny_model import ModelConfig, TinyModel, step
+from kvspec.spec.block_manager import blocks_for
+from kvspec.spec.paged_attention import max_abs_difference
 
 MODEL = TinyModel(ModelConfig())
 WORDS = (

@@ -34,11 +34,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.report import emit_json, progress, table
-from impl import reference
-from impl.broken.scheduler import NeverPreempts
-from impl.scheduler import Scheduler
-from spec.scheduler import Request, SchedulerConfig, deadline
+from kvspec.experiments.report import emit_json, progress, table
+from kvspec.impl import reference
+from kvspec.impl.broken.scheduler import NeverPreempts
+from kvspec.impl.scheduler import Scheduler
+from kvspec.spec.scheduler import Request, SchedulerConfig, deadline
 
 LAYERS, HIDDEN, VOCAB, FP16 = 40, 5120, 50_272, 2  # OPT-13B
 KV_BYTES_PER_TOKEN = 2 * LAYERS * HIDDEN * FP16  # 819,200 (lecture exercise 1)

@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
-from experiments import trace as traces
-from experiments.report import emit_json, table
-from impl.block_pool import BlockPool
-from impl.hashing import chain
-from impl.prefix_caching import PrefixCachingBlockManager
-from spec.prefix_cache import PrefixCachingManager
+from kvspec.experiments import trace as traces
+from kvspec.experiments.report import emit_json, table
+from kvspec.impl.block_pool import BlockPool
+from kvspec.impl.hashing import chain
+from kvspec.impl.prefix_caching import PrefixCachingBlockManager
+from kvspec.spec.prefix_cache import PrefixCachingManager
 
 # -- 1. chained hashes ---------------------------------------------------------------
 

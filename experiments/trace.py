@@ -25,9 +25,9 @@ from pathlib import Path
 
 import attrs
 
-from experiments.report import emit_json, progress, table
-from impl.block_pool import BlockPool
-from spec.block_pool import POLICIES, Policy
+from kvspec.experiments.report import emit_json, progress, table
+from kvspec.impl.block_pool import BlockPool
+from kvspec.spec.block_pool import POLICIES, Policy
 
 DATA = Path(__file__).parent / "data"
 SHIPPED = {"conversation": DATA / "conversation_trace.jsonl.gz", "synthetic": DATA / "synthetic_trace.jsonl.gz"}

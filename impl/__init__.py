@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from impl.attention import paged_decode_attention
-from impl.block_manager import BlockManager
-from impl.block_pool import BlockPool
-from impl.paged_kv import ContiguousKVCache, PagedKVCache
-from impl.prefix_caching import PrefixCachingBlockManager
-from impl.radix_cache import RadixCache
-from impl.scheduler import Scheduler
-from impl.tiny_model import ModelConfig, TinyModel
-from spec.implementation import Implementation
+from kvspec.impl.attention import paged_decode_attention
+from kvspec.impl.block_manager import BlockManager
+from kvspec.impl.block_pool import BlockPool
+from kvspec.impl.paged_kv import ContiguousKVCache, PagedKVCache
+from kvspec.impl.prefix_caching import PrefixCachingBlockManager
+from kvspec.impl.radix_cache import RadixCache
+from kvspec.impl.scheduler import Scheduler
+from kvspec.impl.tiny_model import ModelConfig, TinyModel
+from kvspec.spec.implementation import Implementation
 
 
 def reference() -> Implementation:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 import numpy as np
 
-from spec.paged_attention import LayerKV
+from kvspec.spec.paged_attention import LayerKV
 
 OnlineState = tuple[np.ndarray, np.ndarray, np.ndarray]  # running max, running sum, running output
 Merge = Callable[[OnlineState, np.ndarray, np.ndarray], OnlineState]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
-from spec.block_manager import (
+from kvspec.spec.block_manager import (
     ManagerState,
     SeqId,
     WritePlan,
@@ -18,8 +18,8 @@ from spec.block_manager import (
     check_block_size,
     check_tokens,
 )
-from spec.block_pool import BlockPool as BlockPoolProtocol
-from spec.errors import InvalidOperation, OutOfBlocks
+from kvspec.spec.block_pool import BlockPool as BlockPoolProtocol
+from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 
 
 class BlockManager:

@@ -13,8 +13,8 @@ import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 
-from spec.block_pool import POLICIES, Policy, PoolState
-from spec.errors import InvalidOperation, OutOfBlocks
+from kvspec.spec.block_pool import POLICIES, Policy, PoolState
+from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 
 
 class LRUFreeQueue:

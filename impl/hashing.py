@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from spec.prefix_cache import ExtraKey, check_extra_key
+from kvspec.spec.prefix_cache import ExtraKey, check_extra_key
 
 BlockHash = bytes
 ROOT: BlockHash = hashlib.blake2b(b"kvspec prefix cache root", digest_size=16).digest()

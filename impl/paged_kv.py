@@ -15,10 +15,10 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from impl.attention import ContiguousLayerKV, Merge, PagedLayerKV, merge_block
-from spec.block_manager import BlockManager, SeqId, WritePlan, check_tokens
-from spec.errors import InvalidOperation
-from spec.paged_attention import KVShape, slot_of
+from kvspec.impl.attention import ContiguousLayerKV, Merge, PagedLayerKV, merge_block
+from kvspec.spec.block_manager import BlockManager, SeqId, WritePlan, check_tokens
+from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.paged_attention import KVShape, slot_of
 
 
 def _check_kv(shape: KVShape, layer: int, keys: np.ndarray, values: np.ndarray, length: int) -> None:

@@ -13,12 +13,12 @@ from collections.abc import Hashable, Sequence
 
 import attrs
 
-from impl.block_manager import BlockManager
-from impl.hashing import ROOT, BlockHash, hash_block
-from spec.block_manager import SeqId, WritePlan, blocks_for, check_tokens
-from spec.block_pool import BlockPool as BlockPoolProtocol
-from spec.errors import OutOfBlocks
-from spec.prefix_cache import ExtraKey, check_extra_key, max_hit_blocks
+from kvspec.impl.block_manager import BlockManager
+from kvspec.impl.hashing import ROOT, BlockHash, hash_block
+from kvspec.spec.block_manager import SeqId, WritePlan, blocks_for, check_tokens
+from kvspec.spec.block_pool import BlockPool as BlockPoolProtocol
+from kvspec.spec.errors import OutOfBlocks
+from kvspec.spec.prefix_cache import ExtraKey, check_extra_key, max_hit_blocks
 
 
 class PrefixCachingBlockManager(BlockManager):

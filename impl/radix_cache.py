@@ -15,9 +15,9 @@ import itertools
 from collections import Counter
 from collections.abc import Sequence
 
-from spec.block_manager import check_tokens
-from spec.errors import InvalidOperation
-from spec.radix_cache import Key, RadixState
+from kvspec.spec.block_manager import check_tokens
+from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.radix_cache import Key, RadixState
 
 
 class Node:

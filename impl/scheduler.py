@@ -4,7 +4,7 @@ It owns no memory itself: a GPU and a CPU ``BlockManager`` (each over a pool
 of its own, from any implementation) come in through the constructor.  The
 queues are one arrival-ordered dict of groups, each tagged with where it
 lives; the steps are the spec's, phase by phase, as methods a subclass can
-override (the broken schedulers in ``impl.broken.scheduler`` do).
+override (the broken schedulers in ``kvspec.impl.broken.scheduler`` do).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import attrs
 
-from spec.block_manager import BlockManager
-from spec.errors import InvalidOperation
-from spec.scheduler import (
+from kvspec.spec.block_manager import BlockManager
+from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.scheduler import (
     Group,
     Location,
     Preemption,
@@ -201,7 +201,7 @@ class Scheduler:
 
 @attrs.define
 class Entry:
-    """A group as the scheduler tracks it: ``spec.scheduler.Group``'s fields, updated in place."""
+    """A group as the scheduler tracks it: ``kvspec.spec.scheduler.Group``'s fields, updated in place."""
 
     request: Request
     arrival: int

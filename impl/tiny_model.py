@@ -4,7 +4,7 @@ Embeddings plus sinusoidal positions, ``layers`` pre-norm blocks of grouped-
 query attention and a SiLU MLP, a final norm and an unembedding.  ``forward``
 takes a batch that mixes prefill chunks and single decode tokens of sequences
 of any length; all it asks of the cache is ``length`` / ``write`` / ``read``
-(``spec.paged_attention.KVCache``), so the paged cache and the contiguous twin
+(``kvspec.spec.paged_attention.KVCache``), so the paged cache and the contiguous twin
 run the very same arithmetic outside attention.
 """
 
@@ -16,10 +16,10 @@ from typing import Protocol
 import attrs
 import numpy as np
 
-from impl.attention import attend_ragged
-from spec.block_manager import SeqId
-from spec.errors import InvalidOperation
-from spec.paged_attention import KVCache, KVShape, SequenceStore
+from kvspec.impl.attention import attend_ragged
+from kvspec.spec.block_manager import SeqId
+from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.paged_attention import KVCache, KVShape, SequenceStore
 
 Batch = Sequence[tuple[SeqId, Sequence[int]]]
 

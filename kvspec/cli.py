@@ -16,18 +16,18 @@ import sys
 from collections.abc import Sequence
 
 REPRO = {
-    "paged-attention": "experiments.paged_attention",
-    "prefix-cache": "experiments.prefix_cache",
-    "preemption": "experiments.preemption",
+    "paged-attention": "kvspec.experiments.paged_attention",
+    "prefix-cache": "kvspec.experiments.prefix_cache",
+    "preemption": "kvspec.experiments.preemption",
 }
 
 
 def check(argv: Sequence[str]) -> int:
     from hypothesis import settings
 
-    from experiments.report import emit_json, table
-    from properties import harness, profiles, suite
-    from spec.invariants import REGISTRY
+    from kvspec.experiments.report import emit_json, table
+    from kvspec.properties import harness, profiles, suite
+    from kvspec.spec.invariants import REGISTRY
 
     parser = argparse.ArgumentParser(prog="kvspec check", description="Conformance verdict for an implementation.")
     parser.add_argument(
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "check":
         return check(rest)
     if command == "trace":
-        return run_module("experiments.trace", rest)
+        return run_module("kvspec.experiments.trace", rest)
     if command == "repro":
         if not rest or rest[0] not in REPRO:
             print(f"usage: kvspec repro {{{','.join(REPRO)}}} [--json]", file=sys.stderr)

@@ -20,16 +20,16 @@ from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import attrs
-from hypothesis import Phase, event
+from hypothesis import HealthCheck, Phase, event
 from hypothesis import settings as Settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-from spec.errors import KVSpecError, verdict
-from spec.implementation import Implementation
-from spec.invariants import InvariantViolation, require
+from kvspec.spec.errors import KVSpecError, verdict
+from kvspec.spec.implementation import Implementation
+from kvspec.spec.invariants import InvariantViolation, require
 
-REFERENCE = "impl:reference"
+REFERENCE = "kvspec.impl:reference"
 ENVIRONMENT_VARIABLE = "KVSPEC_IMPL"
 
 T = TypeVar("T")
@@ -63,21 +63,10 @@ def load_implementation(path: str) -> Implementation:
     return implementation
 
 
-_selected: dict[str, Implementation] = {}
-
-
 def select(path: str | None) -> tuple[str, Implementation]:
     """Choose the implementation under test: ``path``, else ``$KVSPEC_IMPL``, else the reference."""
     path = path or os.environ.get(ENVIRONMENT_VARIABLE) or REFERENCE
-    _selected.clear()
-    _selected[path] = load_implementation(path)
-    return path, _selected[path]
-
-
-def implementation_under_test() -> Implementation:
-    if not _selected:
-        select(None)
-    return next(iter(_selected.values()))
+    return path, load_implementation(path)
 
 
 class LockstepMachine(RuleBasedStateMachine):
@@ -142,21 +131,35 @@ class LockstepMachine(RuleBasedStateMachine):
         type(self).last_steps = tuple(self.steps)
 
 
-def scaled(fraction: float) -> Settings:
-    """The current profile with a fraction of its examples: for machines whose steps are costly."""
-    current = Settings()
-    return Settings(current, max_examples=max(5, int(current.max_examples * fraction)))
+def conformance_settings(base: Settings | None = None, examples: float = 1.0) -> Settings:
+    """``base`` (default: the current profile) made fit for lockstep machines.
+
+    Steps are not timed (a deadline would make a slow implementation flaky rather than wrong), and
+    ``examples`` scales the example count for machines whose steps are costly.
+    """
+    base = base or Settings()
+    return Settings(
+        base,
+        deadline=None,
+        suppress_health_check=[*base.suppress_health_check, HealthCheck.too_slow, HealthCheck.data_too_large],
+        max_examples=max(5, int(base.max_examples * examples)),
+    )
 
 
 def conformance_test(machine: type[LockstepMachine], examples: float = 1.0) -> type:
-    """The pytest-collected test case of ``machine`` against the implementation under test.
+    """The pytest-collected test of ``machine``; the implementation is bound when the test runs.
 
-    ``examples`` scales the profile's example count, for machines whose steps are costly.
+    The test takes the ``kv_implementation`` and ``kv_settings`` fixtures of kvspec's pytest
+    plugin (``kvspec.pytest_plugin``), so the same module runs against whatever ``--kv-impl``
+    names, in this repository or in any project that has kvspec installed.
     """
-    test = machine.bind(implementation_under_test()).TestCase
-    if examples != 1.0:
-        test.settings = scaled(examples)
-    return test
+
+    def test_conformance(self: object, kv_implementation: Implementation, kv_settings: Settings | None) -> None:
+        bound = machine.bind(kv_implementation)
+        run_state_machine_as_test(bound, settings=conformance_settings(kv_settings, examples))
+
+    namespace = {"test_conformance": test_conformance, "machine": machine, "__module__": machine.__module__}
+    return type(f"Test{machine.__name__}", (), namespace)
 
 
 @attrs.frozen

@@ -8,22 +8,25 @@ from __future__ import annotations
 
 import importlib
 
-from properties.harness import LockstepMachine
+from kvspec.properties.harness import LockstepMachine
 
 MACHINES: tuple[tuple[str, str], ...] = (
-    ("block pool", "properties.test_block_pool:BlockPoolMachine"),
-    ("block pool (1,024 blocks)", "properties.test_block_pool:RealisticBlockPoolMachine"),
-    ("block manager", "properties.test_block_manager:BlockManagerMachine"),
-    ("block manager (512 blocks of 16)", "properties.test_block_manager:RealisticBlockManagerMachine"),
-    ("prefix cache", "properties.test_prefix_cache:PrefixCacheMachine"),
-    ("prefix cache (realistic)", "properties.test_prefix_cache:RealisticPrefixCacheMachine"),
-    ("radix cache", "properties.test_radix_cache:RadixCacheMachine"),
-    ("radix = chained hash", "properties.test_radix_cache:RadixAgreesWithChainedHashMachine"),
-    ("paged attention logits", "properties.test_paged_attention:PagedAttentionMachine"),
-    ("paged attention: hits, swap, recompute", "properties.test_paged_attention_lifecycle:PagedLifecycleMachine"),
-    ("scheduler (recompute)", "properties.test_scheduler:SchedulerMachine"),
-    ("scheduler (swap)", "properties.test_scheduler:SwapSchedulerMachine"),
-    ("scheduler deadlock freedom", "properties.test_scheduler:DeadlockFreedomMachine"),
+    ("block pool", "kvspec.properties.test_block_pool:BlockPoolMachine"),
+    ("block pool (1,024 blocks)", "kvspec.properties.test_block_pool:RealisticBlockPoolMachine"),
+    ("block manager", "kvspec.properties.test_block_manager:BlockManagerMachine"),
+    ("block manager (512 blocks of 16)", "kvspec.properties.test_block_manager:RealisticBlockManagerMachine"),
+    ("prefix cache", "kvspec.properties.test_prefix_cache:PrefixCacheMachine"),
+    ("prefix cache (realistic)", "kvspec.properties.test_prefix_cache:RealisticPrefixCacheMachine"),
+    ("radix cache", "kvspec.properties.test_radix_cache:RadixCacheMachine"),
+    ("radix = chained hash", "kvspec.properties.test_radix_cache:RadixAgreesWithChainedHashMachine"),
+    ("paged attention logits", "kvspec.properties.test_paged_attention:PagedAttentionMachine"),
+    (
+        "paged attention: hits, swap, recompute",
+        "kvspec.properties.test_paged_attention_lifecycle:PagedLifecycleMachine",
+    ),
+    ("scheduler (recompute)", "kvspec.properties.test_scheduler:SchedulerMachine"),
+    ("scheduler (swap)", "kvspec.properties.test_scheduler:SwapSchedulerMachine"),
+    ("scheduler deadlock freedom", "kvspec.properties.test_scheduler:DeadlockFreedomMachine"),
 )
 
 

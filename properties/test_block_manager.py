@@ -1,4 +1,4 @@
-"""Layer 2 conformance: the block manager against ``spec.block_manager``'s model.
+"""Layer 2 conformance: the block manager against ``kvspec.spec.block_manager``'s model.
 
 The machine runs two managers, a "GPU" and a "CPU" one with pools of their
 own, and drives add / append / fork / free / read and group moves between
@@ -13,11 +13,11 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, multiple, rule
 
-from properties.harness import LockstepMachine, conformance_test
-from spec import block_manager as model
-from spec import block_pool
-from spec.block_manager import WritePlan
-from spec.block_pool import POLICIES
+from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.spec import block_manager as model
+from kvspec.spec import block_pool
+from kvspec.spec.block_manager import WritePlan
+from kvspec.spec.block_pool import POLICIES
 
 TOKENS = st.integers(0, 9)
 NOT_TOKENS = st.sampled_from([-1, 1.5, True, "7", None])

@@ -1,4 +1,4 @@
-"""Layer 1 conformance: the block pool against ``spec.block_pool``'s model.
+"""Layer 1 conformance: the block pool against ``kvspec.spec.block_pool``'s model.
 
 The machine holds references the way a block manager would (a multiset of
 blocks it has allocated or shared) and drives allocate / share / release /
@@ -14,9 +14,9 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from properties.harness import LockstepMachine, conformance_test
-from spec import block_pool as model
-from spec.block_pool import POLICIES
+from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.spec import block_pool as model
+from kvspec.spec.block_pool import POLICIES
 
 HASHES = st.sampled_from([f"h{i}" for i in range(6)])
 

@@ -9,7 +9,7 @@ the parents; frees; and invalid operations.  Sequences live in a few fixed
 slots, so every drawn operation means the same thing whatever ran before it
 (a freed slot is reused by the next sequence put there), and a failure
 shrinks to a few steps.  Every operation on the paged side runs in lockstep
-with ``spec.block_manager``'s model, and every forward is checked with
+with ``kvspec.spec.block_manager``'s model, and every forward is checked with
 ``invariant_paged_equals_contiguous``.
 
 The yardstick -- the tiny model and the contiguous twin -- comes through the
@@ -30,10 +30,11 @@ from hypothesis import event, given, target
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from properties.harness import LockstepMachine, conformance_test, implementation_under_test
-from spec import block_manager as model
-from spec import block_pool
-from spec.invariants import require
+from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.spec import block_manager as model
+from kvspec.spec import block_pool
+from kvspec.spec.implementation import Implementation
+from kvspec.spec.invariants import require
 
 SIZES = {"vocab": 16, "d_model": 8, "heads": 2, "kv_heads": 1, "layers": 2, "mlp": 16, "seed": 7}
 TOKENS = st.integers(0, SIZES["vocab"] - 1)
@@ -201,7 +202,9 @@ def softmax_attention(query: np.ndarray, keys: np.ndarray, values: np.ndarray) -
     chunk_blocks=st.integers(1, 5),
     seed=st.integers(0, 2**16),
 )
-def test_fast_decode_kernel_equals_contiguous(lengths: list[int], block_size: int, chunk_blocks: int, seed: int):
+def test_fast_decode_kernel_equals_contiguous(
+    kv_implementation: Implementation, lengths: list[int], block_size: int, chunk_blocks: int, seed: int
+):
     """The benchmark's chunked, head-major decode kernel computes formula (4) over the sequence's keys."""
     rng = np.random.default_rng(seed)
     kv_heads, heads, dim = 2, 4, 8
@@ -211,9 +214,7 @@ def test_fast_decode_kernel_equals_contiguous(lengths: list[int], block_size: in
     key_blocks = rng.standard_normal((kv_heads, len(order), block_size, dim))
     value_blocks = rng.standard_normal((kv_heads, len(order), block_size, dim))
     queries = rng.standard_normal((len(lengths), heads, dim))
-    fast = implementation_under_test().decode_attention(
-        queries, key_blocks, value_blocks, tables, lengths, chunk_blocks
-    )
+    fast = kv_implementation.decode_attention(queries, key_blocks, value_blocks, tables, lengths, chunk_blocks)
     for s, (table, n) in enumerate(zip(tables, lengths, strict=True)):
         keys = key_blocks[:, table].reshape(kv_heads, -1, dim)[:, :n]
         values = value_blocks[:, table].reshape(kv_heads, -1, dim)[:, :n]

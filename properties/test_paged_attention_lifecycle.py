@@ -21,9 +21,9 @@ position exactly once, and the machine keeps the twin's logits of every
 position (``history``).  Every paged forward -- a suffix after a hit, a
 decode after a swap, the prefill of a recompute -- is compared with the
 twin's logits for the same positions.  The GPU and CPU managers run in
-lockstep with ``spec.prefix_cache``'s model, so verdicts (no room to admit,
+lockstep with ``kvspec.spec.prefix_cache``'s model, so verdicts (no room to admit,
 a full CPU, a full GPU on swap-in) and hit lengths are the spec's.  Sequence
-ids live in a few fixed slots, as in ``properties.test_paged_attention``.
+ids live in a few fixed slots, as in ``kvspec.properties.test_paged_attention``.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
-from properties.harness import LockstepMachine, conformance_test
-from spec import block_manager, block_pool
-from spec import prefix_cache as model
-from spec.block_pool import POLICIES
-from spec.paged_attention import PagedKVCache
+from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.spec import block_manager, block_pool
+from kvspec.spec import prefix_cache as model
+from kvspec.spec.block_pool import POLICIES
+from kvspec.spec.paged_attention import PagedKVCache
 
 SIZES = {"vocab": 16, "d_model": 8, "heads": 2, "kv_heads": 1, "layers": 2, "mlp": 16, "seed": 7}
 VOCAB = SIZES["vocab"]

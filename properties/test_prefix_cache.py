@@ -1,4 +1,4 @@
-"""Layer 3 conformance: the prefix-caching manager against ``spec.prefix_cache``'s model.
+"""Layer 3 conformance: the prefix-caching manager against ``kvspec.spec.prefix_cache``'s model.
 
 The machine drives add (with extra keys) / append / fork / free / lookup /
 evict, valid and invalid, serves whole requests the way an engine does
@@ -20,10 +20,11 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from properties.harness import LockstepMachine, conformance_test, implementation_under_test
-from spec import block_manager, block_pool
-from spec import prefix_cache as model
-from spec.block_pool import POLICIES
+from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.spec import block_manager, block_pool
+from kvspec.spec import prefix_cache as model
+from kvspec.spec.block_pool import POLICIES
+from kvspec.spec.implementation import Implementation
 
 TOKENS = st.integers(0, 2)
 EXTRA_KEYS = st.sampled_from([None, None, "lora-a", ("tenant", 7)])
@@ -274,10 +275,9 @@ TestPrefixCache = conformance_test(PrefixCacheMachine)
 TestRealisticPrefixCache = conformance_test(RealisticPrefixCacheMachine, examples=0.2)
 
 
-def test_shared_system_prompt_hits_whole_blocks() -> None:
+def test_shared_system_prompt_hits_whole_blocks(kv_implementation: Implementation) -> None:
     """Two requests sharing 9 tokens with B = 4: the second reuses 2 full blocks and computes the rest."""
-    implementation = implementation_under_test()
-    manager = implementation.prefix_caching_manager(implementation.block_pool(8, "lru"), 4)
+    manager = kv_implementation.prefix_caching_manager(kv_implementation.block_pool(8, "lru"), 4)
     first, second = list(range(9)) + [20, 21, 22], list(range(9)) + [30, 31, 32]
     manager.add_sequence(0, first)
     plan = manager.add_sequence(1, second)
@@ -287,9 +287,8 @@ def test_shared_system_prompt_hits_whole_blocks() -> None:
     assert manager.read(1) == tuple(second)
 
 
-def test_extra_key_separates_equal_prompts() -> None:
-    implementation = implementation_under_test()
-    manager = implementation.prefix_caching_manager(implementation.block_pool(8, "lru"), 4)
+def test_extra_key_separates_equal_prompts(kv_implementation: Implementation) -> None:
+    manager = kv_implementation.prefix_caching_manager(kv_implementation.block_pool(8, "lru"), 4)
     manager.add_sequence(0, list(range(9)), extra_key="adapter-a")
     assert manager.add_sequence(1, list(range(9)), extra_key="adapter-b").cached_tokens == 0
     assert manager.add_sequence(2, list(range(9)), extra_key="adapter-a").cached_tokens == 8

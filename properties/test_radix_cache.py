@@ -1,4 +1,4 @@
-"""Layer 3, radix form: the radix cache against ``spec.radix_cache``'s model.
+"""Layer 3, radix form: the radix cache against ``kvspec.spec.radix_cache``'s model.
 
 The first machine drives insert / match_prefix / lock / unlock / evict, valid
 and invalid, and serves requests as SGLang does: a request starts by matching
@@ -17,8 +17,9 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 
-from properties.harness import LockstepMachine, conformance_test, implementation_under_test
-from spec import radix_cache as model
+from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.spec import radix_cache as model
+from kvspec.spec.implementation import Implementation
 
 TOKENS = st.integers(0, 2)
 KEYS = st.lists(TOKENS, max_size=6)
@@ -211,9 +212,9 @@ TestRadixCache = conformance_test(RadixCacheMachine)
 TestRadixAgreesWithChainedHash = conformance_test(RadixAgreesWithChainedHashMachine)
 
 
-def test_lru_leaf_first_eviction_keeps_the_shared_trunk() -> None:
+def test_lru_leaf_first_eviction_keeps_the_shared_trunk(kv_implementation: Implementation) -> None:
     """Two branches share a trunk; evicting 3 tokens takes the older branch only."""
-    cache = implementation_under_test().radix_cache()
+    cache = kv_implementation.radix_cache()
     cache.insert([1, 2, 3, 4, 5], [10, 20, 30, 40, 50])
     cache.insert([1, 2, 3, 7, 8], [10, 20, 30, 70, 80])
     assert cache.evict(3) == (50, 40, 80)

@@ -1,4 +1,4 @@
-"""Layer 4 conformance: the scheduler against ``spec.scheduler``'s model.
+"""Layer 4 conformance: the scheduler against ``kvspec.spec.scheduler``'s model.
 
 Tiny GPU and CPU pools (a few blocks of 1-4 tokens) make preemption the
 common case; requests of one to three samples arrive, are aborted, and the
@@ -8,7 +8,7 @@ every operation the pool and manager invariants hold on both devices, the
 scheduler's own invariants hold, and the state is the model's (block numbers
 aside).  ``DeadlockFreedomMachine`` runs the implementation alone, with no
 model to follow, for long stretches: every accepted request fits the GPU
-alone, so each must finish by the deadline ``spec.scheduler.deadline`` states.
+alone, so each must finish by the deadline ``kvspec.spec.scheduler.deadline`` states.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from hypothesis import event, target
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from properties.harness import LockstepMachine, conformance_test
-from spec import block_manager, block_pool
-from spec import scheduler as model
-from spec.errors import RequestTooLarge
-from spec.scheduler import Preemption, Request, SchedulerConfig, SchedulerState, StepReport
+from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.spec import block_manager, block_pool
+from kvspec.spec import scheduler as model
+from kvspec.spec.errors import RequestTooLarge
+from kvspec.spec.scheduler import Preemption, Request, SchedulerConfig, SchedulerState, StepReport
 
 MANAGER_INVARIANTS = ("invariant_read_back_exact", "invariant_table_length_exact", "invariant_waste_bounded")
 POOL_INVARIANTS = ("invariant_capacity_conserved", "invariant_free_queue_exact")

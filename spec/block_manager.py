@@ -54,10 +54,10 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from spec import block_pool
-from spec.block_pool import Pool, PoolState
-from spec.errors import InvalidOperation
-from spec.invariants import diff_states, invariant
+from kvspec.spec import block_pool
+from kvspec.spec.block_pool import Pool, PoolState
+from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.invariants import diff_states, invariant
 
 SeqId = Hashable
 

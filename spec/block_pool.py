@@ -34,7 +34,7 @@ functions that return a new ``Pool``; an implementation's ``snapshot()``
 returns a ``PoolState``, the abstraction both are compared through, and the
 invariants are predicates over ``PoolState``.
 
-Invariants (checked after every step by ``properties.machines``):
+Invariants (checked after every step by ``kvspec.properties.machines``):
 
 * ``invariant_free_queue_exact`` -- the free queue holds exactly the blocks of
   reference count zero, once each.
@@ -57,8 +57,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
-from spec.errors import InvalidOperation, OutOfBlocks
-from spec.invariants import diff_states, invariant
+from kvspec.spec.errors import InvalidOperation, OutOfBlocks
+from kvspec.spec.invariants import diff_states, invariant
 
 Policy = Literal["lru", "lfu"]
 POLICIES: tuple[Policy, ...] = ("lru", "lfu")

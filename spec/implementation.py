@@ -6,15 +6,15 @@ Rules:
   arguments and returns an ``Implementation``.  ``pytest --kv-impl=...``,
   ``KVSPEC_IMPL=...`` and ``kvspec check --impl ...`` all take that form.
 * ``block_pool`` is required: ``block_pool(capacity, policy)`` returns a
-  ``spec.block_pool.BlockPool``.  Every other component is optional; one left
+  ``kvspec.spec.block_pool.BlockPool``.  Every other component is optional; one left
   as ``None`` is taken from the reference implementation and run on top of
   this implementation's pool -- so an alternative allocator alone is enough
   to run every machine.
-* ``block_manager(pool, block_size)`` returns a ``spec.block_manager.BlockManager``.
+* ``block_manager(pool, block_size)`` returns a ``kvspec.spec.block_manager.BlockManager``.
 * Later layers add their own factories here, each documented in the spec
   module that defines its protocol (layer 5's ``paged_kv_cache``,
   ``tiny_model``, ``contiguous_kv_cache`` and ``decode_attention``: in
-  ``spec.paged_attention``).
+  ``kvspec.spec.paged_attention``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 import attrs
 
-from spec.block_manager import BlockManager
-from spec.block_pool import BlockPool, Policy
+from kvspec.spec.block_manager import BlockManager
+from kvspec.spec.block_pool import BlockPool, Policy
 
 
 @attrs.frozen

@@ -35,14 +35,14 @@ Rules (vLLM §4.1-4.3, lecture §4.1-4.2 and §5.1-5.2):
   is a classic bug: it is exact only while the first block holds the maximum.
 
 Theory of operation: no state machine of its own -- the block manager's model
-(``spec.block_manager``) is the state, and this layer adds one obligation:
+(``kvspec.spec.block_manager``) is the state, and this layer adds one obligation:
 whatever sequence of prefills, decodes, forks with copy-on-write, beam
 re-forks, frees, prefix hits and swap round trips ran, the logits computed
 through a paged cache equal those computed through a contiguous twin that
 simply keeps every sequence's K and V in one array.
 
 ``Implementation.paged_kv_cache(manager, shape)`` takes a
-``spec.block_manager.BlockManager`` and a ``KVShape`` and returns a
+``kvspec.spec.block_manager.BlockManager`` and a ``KVShape`` and returns a
 ``PagedKVCache`` that stores KV for that manager's pool.  The yardstick the
 properties measure it with comes through the same record, from the reference
 unless replaced: ``tiny_model(vocab=, d_model=, heads=, kv_heads=, layers=,
@@ -68,9 +68,9 @@ from typing import Protocol, runtime_checkable
 import attrs
 import numpy as np
 
-from spec.block_manager import BlockManager, SeqId, WritePlan
-from spec.errors import InvalidOperation
-from spec.invariants import invariant
+from kvspec.spec.block_manager import BlockManager, SeqId, WritePlan
+from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.invariants import invariant
 
 LOGITS_TOLERANCE = 1e-12
 

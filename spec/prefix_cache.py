@@ -59,11 +59,11 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from spec import block_manager, block_pool
-from spec.block_manager import Manager, ManagerState, SeqId, WritePlan
-from spec.block_pool import Pool, PoolState
-from spec.errors import InvalidOperation
-from spec.invariants import invariant
+from kvspec.spec import block_manager, block_pool
+from kvspec.spec.block_manager import Manager, ManagerState, SeqId, WritePlan
+from kvspec.spec.block_pool import Pool, PoolState
+from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.invariants import invariant
 
 ExtraKey = Hashable
 IdealKey = tuple[ExtraKey, tuple[int, ...]]

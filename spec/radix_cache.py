@@ -53,10 +53,10 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from spec.block_manager import check_tokens
-from spec.block_pool import diff_states
-from spec.errors import InvalidOperation
-from spec.invariants import invariant
+from kvspec.spec.block_manager import check_tokens
+from kvspec.spec.block_pool import diff_states
+from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.invariants import invariant
 
 Key = tuple[int, ...]
 

@@ -48,7 +48,7 @@ gives the model's.  Implementations may place blocks differently, so
 refinement compares everything but block numbers (``view``).
 
 The factory an ``Implementation`` provides: ``scheduler(gpu, cpu, config)``
-with ``gpu`` and ``cpu`` two empty ``spec.block_manager.BlockManager``s of the
+with ``gpu`` and ``cpu`` two empty ``kvspec.spec.block_manager.BlockManager``s of the
 same block size (each over its own pool) and ``config`` a ``SchedulerConfig``;
 it returns a ``Scheduler``.
 
@@ -82,10 +82,10 @@ from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
-from spec import block_manager
-from spec.block_manager import Manager, ManagerState, blocks_for, check_tokens, holders, read_through_table
-from spec.errors import InvalidOperation, RequestTooLarge
-from spec.invariants import diff_states, invariant
+from kvspec.spec import block_manager
+from kvspec.spec.block_manager import Manager, ManagerState, blocks_for, check_tokens, holders, read_through_table
+from kvspec.spec.errors import InvalidOperation, RequestTooLarge
+from kvspec.spec.invariants import diff_states, invariant
 
 RequestId = int
 Preemption = Literal["swap", "recompute"]

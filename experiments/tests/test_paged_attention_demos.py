@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from experiments import paged_attention as demos
-from spec.invariants import require
-from spec.paged_attention import LOGITS_TOLERANCE
+from kvspec.experiments import paged_attention as demos
+from kvspec.spec.invariants import require
+from kvspec.spec.paged_attention import LOGITS_TOLERANCE
 
 
 def test_figure6_block_tables() -> None:

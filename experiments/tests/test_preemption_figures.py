@@ -1,8 +1,8 @@
-"""Lecture §6's figures, computed by ``experiments.preemption``'s cost model and scheduler runs."""
+"""Lecture §6's figures, computed by ``kvspec.experiments.preemption``'s cost model and scheduler runs."""
 
 from __future__ import annotations
 
-from experiments import preemption
+from kvspec.experiments import preemption
 
 
 def test_exercise_6_swap_beats_recompute_at_block_size_32() -> None:

@@ -1,4 +1,4 @@
-"""Broken paged KV caches: each breaks one rule of ``spec.paged_attention`` and must be caught.
+"""Broken paged KV caches: each breaks one rule of ``kvspec.spec.paged_attention`` and must be caught.
 
 Each keeps the reference block manager -- so every manager invariant still
 holds -- and breaks only what the KV storage or the attention does with it.
@@ -11,13 +11,13 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from impl import reference
-from impl.attention import OnlineState, PagedLayerKV, merge_block
-from impl.block_manager import BlockManager
-from impl.paged_kv import PagedKVCache
-from spec.block_manager import SeqId
-from spec.implementation import Implementation
-from spec.paged_attention import KVShape
+from kvspec.impl import reference
+from kvspec.impl.attention import OnlineState, PagedLayerKV, merge_block
+from kvspec.impl.block_manager import BlockManager
+from kvspec.impl.paged_kv import PagedKVCache
+from kvspec.spec.block_manager import SeqId
+from kvspec.spec.implementation import Implementation
+from kvspec.spec.paged_attention import KVShape
 
 
 class CopyOnWriteSkipsKV(PagedKVCache):

@@ -1,13 +1,13 @@
-"""Broken block managers: each breaks one rule of ``spec.block_manager`` and must be caught."""
+"""Broken block managers: each breaks one rule of ``kvspec.spec.block_manager`` and must be caught."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from impl import reference
-from impl.block_manager import BlockManager
-from spec.block_manager import SeqId, WritePlan
-from spec.implementation import Implementation
+from kvspec.impl import reference
+from kvspec.impl.block_manager import BlockManager
+from kvspec.spec.block_manager import SeqId, WritePlan
+from kvspec.spec.implementation import Implementation
 
 
 class NoCopyOnWrite(BlockManager):

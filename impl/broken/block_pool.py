@@ -1,4 +1,4 @@
-"""Broken block pools: each breaks one rule of ``spec.block_pool`` and must be caught.
+"""Broken block pools: each breaks one rule of ``kvspec.spec.block_pool`` and must be caught.
 
 Every factory returns an ``Implementation`` whose pool is a one-method
 subclass of the reference; the meta-tests name the invariant that catches it.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from impl.block_pool import BlockPool
-from spec.errors import OutOfBlocks
-from spec.implementation import Implementation
+from kvspec.impl.block_pool import BlockPool
+from kvspec.spec.errors import OutOfBlocks
+from kvspec.spec.implementation import Implementation
 
 
 class LeaksOnFree(BlockPool):

@@ -1,4 +1,4 @@
-"""Broken prefix caches: each breaks one rule of ``spec.prefix_cache`` or ``spec.radix_cache``.
+"""Broken prefix caches: each breaks one rule of ``kvspec.spec.prefix_cache`` or ``kvspec.spec.radix_cache``.
 
 Every factory returns an ``Implementation`` whose pool, prefix-caching manager
 or radix cache is a small subclass of the reference; the meta-tests name the
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from impl import reference
-from impl.block_pool import BlockPool
-from impl.hashing import ROOT, BlockHash, hash_block
-from impl.prefix_caching import PrefixCachingBlockManager
-from impl.radix_cache import Node, RadixCache
-from spec.block_manager import check_tokens
-from spec.implementation import Implementation
-from spec.prefix_cache import ExtraKey, max_hit_blocks
+from kvspec.impl import reference
+from kvspec.impl.block_pool import BlockPool
+from kvspec.impl.hashing import ROOT, BlockHash, hash_block
+from kvspec.impl.prefix_caching import PrefixCachingBlockManager
+from kvspec.impl.radix_cache import Node, RadixCache
+from kvspec.spec.block_manager import check_tokens
+from kvspec.spec.implementation import Implementation
+from kvspec.spec.prefix_cache import ExtraKey, max_hit_blocks
 
 
 class StaleEntryAfterReallocation(BlockPool):

@@ -1,11 +1,11 @@
-"""Broken schedulers: each breaks one rule of ``spec.scheduler`` and must be caught."""
+"""Broken schedulers: each breaks one rule of ``kvspec.spec.scheduler`` and must be caught."""
 
 from __future__ import annotations
 
-from impl import reference
-from impl.scheduler import Entry, Scheduler, Tally
-from spec.implementation import Implementation
-from spec.scheduler import Request
+from kvspec.impl import reference
+from kvspec.impl.scheduler import Entry, Scheduler, Tally
+from kvspec.spec.implementation import Implementation
+from kvspec.spec.scheduler import Request
 
 
 class PreemptsOldest(Scheduler):

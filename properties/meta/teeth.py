@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import Phase
 from hypothesis import settings as Settings
 
-from properties.harness import LockstepMachine, load_implementation, run_machine
+from kvspec.properties.harness import LockstepMachine, load_implementation, run_machine
 
 DETECTION = (Phase.explicit, Phase.generate)
 

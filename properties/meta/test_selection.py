@@ -6,31 +6,40 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     environment = {**os.environ, "HYPOTHESIS_PROFILE": "ci"}  # derandomized: the same verdict every time
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=300, check=False, env=environment
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, check=False, env=environment, cwd=cwd
     )
 
 
-def test_bad_kv_impl_fails_at_start_up_with_one_line() -> None:
-    result = run("-m", "pytest", "-q", "--kv-impl=no_such_module:factory", "properties/test_block_pool.py")
+def test_bad_kv_impl_fails_at_start_up_with_one_line(tmp_path: Path) -> None:
+    result = run(
+        "-m", "pytest", "-q", "--kv-impl=no_such_module:factory", "--pyargs", "kvspec.properties", cwd=tmp_path
+    )
     assert result.returncode == 4  # pytest's usage error: nothing ran
     reason = [line for line in result.stderr.splitlines() if "--kv-impl" in line]
     assert len(reason) == 1 and "no_such_module" in reason[0], result.stderr
 
 
-def test_pytest_against_a_broken_pool_names_the_invariant() -> None:
+def test_pytest_plugin_from_another_project_names_the_invariant(tmp_path: Path) -> None:
+    """The installed plugin: ``--kv-impl`` and ``--pyargs kvspec.properties`` from outside this checkout."""
     result = run(
         "-m",
         "pytest",
         "-q",
         "-p",
-        "no:randomly",
-        "--kv-impl=impl.broken.block_pool:leaks_on_free",
-        "properties/test_block_pool.py::TestBlockPool",
+        "no:cacheprovider",
+        "--kv-impl=kvspec.impl.broken.block_pool:leaks_on_free",
+        "--kv-profile=ci",
+        "--pyargs",
+        "kvspec.properties.test_block_pool",
+        "-k",
+        "TestBlockPool and not Realistic",
+        cwd=tmp_path,
     )
     assert result.returncode == 1
     assert "invariant_no_leak violated" in result.stdout
@@ -43,7 +52,7 @@ def test_kvspec_check_reports_the_violation_with_its_steps() -> None:
         "kvspec.cli",
         "check",
         "--impl",
-        "impl.broken.block_pool:leaks_on_free",
+        "kvspec.impl.broken.block_pool:leaks_on_free",
         "--machine",
         "block pool",
         "--json",

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from properties.meta.teeth import assert_caught
-from properties.test_block_manager import BlockManagerMachine
-from properties.test_block_pool import BlockPoolMachine
+from kvspec.properties.meta.teeth import assert_caught
+from kvspec.properties.test_block_manager import BlockManagerMachine
+from kvspec.properties.test_block_pool import BlockPoolMachine
 
 POOL_ZOO = {
-    "impl.broken.block_pool:leaks_on_free": "invariant_no_leak",
-    "impl.broken.block_pool:accepts_double_free": "invariant_verdict_matches_spec",
-    "impl.broken.block_pool:hit_leaves_block_queued": "invariant_free_queue_exact",
-    "impl.broken.block_pool:allocate_not_atomic": "invariant_failed_operation_changes_nothing",
-    "impl.broken.block_pool:evicts_most_recent_first": "invariant_eviction_order",
-    "impl.broken.block_pool:evicts_in_use_blocks": "invariant_in_use_never_reclaimed",
+    "kvspec.impl.broken.block_pool:leaks_on_free": "invariant_no_leak",
+    "kvspec.impl.broken.block_pool:accepts_double_free": "invariant_verdict_matches_spec",
+    "kvspec.impl.broken.block_pool:hit_leaves_block_queued": "invariant_free_queue_exact",
+    "kvspec.impl.broken.block_pool:allocate_not_atomic": "invariant_failed_operation_changes_nothing",
+    "kvspec.impl.broken.block_pool:evicts_most_recent_first": "invariant_eviction_order",
+    "kvspec.impl.broken.block_pool:evicts_in_use_blocks": "invariant_in_use_never_reclaimed",
 }
 MANAGER_ZOO = {
-    "impl.broken.block_manager:no_copy_on_write": "invariant_verdict_matches_spec",  # it writes where the spec needs a block for the copy
-    "impl.broken.block_manager:copies_wrong_block": "invariant_read_back_exact",
-    "impl.broken.block_manager:fork_without_share": "invariant_refcount_matches_holders",
-    "impl.broken.block_manager:reserves_ahead_block": "invariant_waste_bounded",
-    "impl.broken.block_manager:frees_first_block_first": "invariant_manager_refines_spec",
-    "impl.broken.block_manager:append_not_atomic": "invariant_failed_operation_changes_nothing",
+    "kvspec.impl.broken.block_manager:no_copy_on_write": "invariant_verdict_matches_spec",  # it writes where the spec needs a block for the copy
+    "kvspec.impl.broken.block_manager:copies_wrong_block": "invariant_read_back_exact",
+    "kvspec.impl.broken.block_manager:fork_without_share": "invariant_refcount_matches_holders",
+    "kvspec.impl.broken.block_manager:reserves_ahead_block": "invariant_waste_bounded",
+    "kvspec.impl.broken.block_manager:frees_first_block_first": "invariant_manager_refines_spec",
+    "kvspec.impl.broken.block_manager:append_not_atomic": "invariant_failed_operation_changes_nothing",
 }
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from properties.meta.teeth import assert_caught
-from properties.test_paged_attention_lifecycle import PagedLifecycleMachine
+from kvspec.properties.meta.teeth import assert_caught
+from kvspec.properties.test_paged_attention_lifecycle import PagedLifecycleMachine
 
 LIFECYCLE_ZOO = {
-    "impl.broken.attention:cow_skips_kv_copy": "invariant_paged_equals_contiguous",
-    "impl.broken.attention:swap_pairs_sorted_blocks": "invariant_paged_equals_contiguous",
+    "kvspec.impl.broken.attention:cow_skips_kv_copy": "invariant_paged_equals_contiguous",
+    "kvspec.impl.broken.attention:swap_pairs_sorted_blocks": "invariant_paged_equals_contiguous",
 }
 
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from properties.meta.teeth import assert_caught
-from properties.test_scheduler import DeadlockFreedomMachine, SchedulerMachine, SwapSchedulerMachine
+from kvspec.properties.meta.teeth import assert_caught
+from kvspec.properties.test_scheduler import DeadlockFreedomMachine, SchedulerMachine, SwapSchedulerMachine
 
 ZOO = {
-    "impl.broken.scheduler:preempts_oldest": (SchedulerMachine, "invariant_oldest_never_preempted"),
-    "impl.broken.scheduler:swaps_part_of_group": (SwapSchedulerMachine, "invariant_group_on_one_device"),
-    "impl.broken.scheduler:forgets_to_free_on_recompute": (SchedulerMachine, "invariant_no_leak_across_preemption"),
-    "impl.broken.scheduler:admits_out_of_order": (SchedulerMachine, "invariant_admission_in_arrival_order"),
-    "impl.broken.scheduler:waits_forever_on_too_large": (SchedulerMachine, "invariant_verdict_matches_spec"),
-    "impl.broken.scheduler:never_preempts": (DeadlockFreedomMachine, "invariant_finishes_within_bound"),
+    "kvspec.impl.broken.scheduler:preempts_oldest": (SchedulerMachine, "invariant_oldest_never_preempted"),
+    "kvspec.impl.broken.scheduler:swaps_part_of_group": (SwapSchedulerMachine, "invariant_group_on_one_device"),
+    "kvspec.impl.broken.scheduler:forgets_to_free_on_recompute": (
+        SchedulerMachine,
+        "invariant_no_leak_across_preemption",
+    ),
+    "kvspec.impl.broken.scheduler:admits_out_of_order": (SchedulerMachine, "invariant_admission_in_arrival_order"),
+    "kvspec.impl.broken.scheduler:waits_forever_on_too_large": (SchedulerMachine, "invariant_verdict_matches_spec"),
+    "kvspec.impl.broken.scheduler:never_preempts": (DeadlockFreedomMachine, "invariant_finishes_within_bound"),
 }
 
 

@@ -1,0 +1,69 @@
+"""kvspec's pytest plugin, registered under the ``pytest11`` entry point.
+
+With kvspec installed, any project can run the conformance machines against
+its own implementation::
+
+    pytest --pyargs kvspec.properties --kv-impl=my_engine.adapter:factory
+
+* ``--kv-impl MODULE:FACTORY`` (or ``$KVSPEC_IMPL``) names the implementation;
+  the default is the reference.  A bad value is a usage error, in one line.
+* ``--kv-profile dev|ci|thorough`` runs the machines under one of kvspec's
+  Hypothesis profiles; without it they run under whatever profile is loaded.
+* Machines get the implementation through the ``kv_implementation`` fixture
+  when they run: nothing is bound at import time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import settings as Settings
+
+from kvspec.properties import harness, profiles
+from kvspec.spec.implementation import Implementation
+
+SELECTION = pytest.StashKey[tuple[str, Implementation]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvspec", "kvspec conformance")
+    group.addoption(
+        "--kv-impl",
+        default=None,
+        metavar="MODULE:FACTORY",
+        help=f"implementation under test (default: ${harness.ENVIRONMENT_VARIABLE} or {harness.REFERENCE})",
+    )
+    group.addoption(
+        "--kv-profile",
+        default=None,
+        choices=profiles.PROFILES,
+        help="run kvspec's machines under this Hypothesis profile (default: the profile loaded)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        config.stash[SELECTION] = harness.select(config.getoption("--kv-impl"))
+    except harness.BadImplementation as error:
+        raise pytest.UsageError(f"--kv-impl: {error}") from None
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if not (config.getoption("--kv-impl") or os.environ.get(harness.ENVIRONMENT_VARIABLE)):
+        return None
+    path, implementation = config.stash[SELECTION]
+    return f"kvspec: implementation under test: {implementation.name} ({path})"
+
+
+@pytest.fixture(scope="session")
+def kv_implementation(pytestconfig: pytest.Config) -> Implementation:
+    """The implementation that ``--kv-impl`` names, completed from the reference."""
+    return pytestconfig.stash[SELECTION][1]
+
+
+@pytest.fixture(scope="session")
+def kv_settings(pytestconfig: pytest.Config) -> Settings | None:
+    """The Hypothesis settings of ``--kv-profile``; None means the profile already loaded."""
+    name = pytestconfig.getoption("--kv-profile")
+    return Settings.get_profile(name) if name else None
