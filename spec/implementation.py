@@ -26,6 +26,7 @@ import attrs
 
 from kvspec.spec.block_manager import BlockManager
 from kvspec.spec.block_pool import BlockPool, Policy
+from kvspec.spec.conventions import Conventions
 
 
 @attrs.frozen
@@ -34,6 +35,7 @@ class Implementation:
 
     name: str
     block_pool: Callable[[int, Policy], BlockPool]
+    conventions: Conventions = Conventions()  # see spec.conventions: the engine's legitimate choices
     block_manager: Callable[[BlockPool, int], BlockManager] | None = None
     prefix_caching_manager: Callable[..., Any] | None = None  # see spec.prefix_cache
     radix_cache: Callable[..., Any] | None = None  # see spec.radix_cache

@@ -1,0 +1,74 @@
+"""Conventions: the legitimate choices on which correct engines differ.
+
+Rules:
+
+* An implementation declares its conventions in ``Implementation.conventions``
+  (default: the reference's).  The spec's models are parametrized by them, so
+  an engine that chose differently from the reference is still checked by
+  exact refinement -- against the model *of its own conventions*.
+* A convention never weakens a safety rule: whichever way an engine chose,
+  nothing leaks, nothing in use is reclaimed, and what is read back is what
+  was written.
+* ``trusts_caller`` declares that the engine does not validate out-of-contract
+  calls (double free, unlock without lock, ...).  Its caller-contract findings
+  are then reported in their own tier, and the machines stop generating those
+  calls so that its safety rules are still exercised.
+
+The fields, one per choice observed in vLLM v1 and SGLang:
+
+* ``PoolConventions.unhashed_free_position`` -- where a freed block that
+  carries no hash enters the free queue: the ``tail`` (reference: reused last)
+  or the ``head`` (vLLM: reused first, keeping cached blocks longer).
+* ``PoolConventions.duplicate_hash`` -- registering a second block under a
+  hash already cached: ``refuse`` (reference: the map stays injective) or
+  ``keep`` (vLLM: both blocks carry the hash, so block tables stay append-only).
+* ``PoolConventions.policies`` -- the eviction policies the engine supports;
+  machines draw only these.
+* ``RadixConventions.eviction_granularity`` -- ``exact_tokens`` (reference:
+  exactly ``min(asked, evictable)`` tokens) or ``whole_leaves`` (SGLang: whole
+  unlocked leaves, at least ``min(asked, evictable)``).
+* ``RadixConventions.recency`` -- ``per_token`` (reference) or ``per_node``
+  (SGLang stamps the nodes a match or insert visits).
+* ``RadixConventions.lock_by`` -- ``key`` (reference) or ``handle`` (SGLang
+  locks the node a match returned; locking the root is a no-op).
+* ``RadixConventions.page_size`` -- tokens per page; keys match in whole pages.
+* ``RadixConventions.extra_key_namespaces`` -- whether an extra key (adapter,
+  tenant) separates otherwise equal keys.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from kvspec.spec.block_pool import POLICIES, Policy
+
+
+@attrs.frozen
+class PoolConventions:
+    """The block pool's choices (``spec.block_pool``)."""
+
+    unhashed_free_position: Literal["tail", "head"] = "tail"
+    duplicate_hash: Literal["refuse", "keep"] = "refuse"
+    policies: tuple[Policy, ...] = POLICIES
+
+
+@attrs.frozen
+class RadixConventions:
+    """The radix cache's choices (``spec.radix_cache``)."""
+
+    eviction_granularity: Literal["exact_tokens", "whole_leaves"] = "exact_tokens"
+    recency: Literal["per_token", "per_node"] = "per_token"
+    lock_by: Literal["key", "handle"] = "key"
+    page_size: int = 1
+    extra_key_namespaces: bool = True
+
+
+@attrs.frozen
+class Conventions:
+    """Everything an implementation declares about itself; the defaults are the reference's."""
+
+    pool: PoolConventions = PoolConventions()
+    radix: RadixConventions = RadixConventions()
+    trusts_caller: bool = False
