@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -47,7 +48,7 @@ def blocks_in_use(cache: PagedKVCache) -> int:
     return pool.capacity - pool.num_free()
 
 
-def figure6(decode_steps: int = 2) -> list[dict[str, object]]:
+def figure6(decode_steps: int = 2) -> list[dict[str, Any]]:
     """The paper's Figure 6: blocks 7, 1 at prefill, block 3 once block 1 is full."""
     cache = paged_cache(8, 4)
     others = [("other", b) for b in range(8)]
@@ -75,7 +76,7 @@ def figure6(decode_steps: int = 2) -> list[dict[str, object]]:
     return rows
 
 
-def ragged_equivalence(block_sizes: Sequence[int], decode_steps: int = 20, seed: int = 0) -> list[dict[str, object]]:
+def ragged_equivalence(block_sizes: Sequence[int], decode_steps: int = 20, seed: int = 0) -> list[dict[str, Any]]:
     """Four ragged sequences through a paged cache and a contiguous twin: the largest logits gap."""
     rng = np.random.default_rng(seed)
     prompts = {
@@ -100,7 +101,7 @@ def ragged_equivalence(block_sizes: Sequence[int], decode_steps: int = 20, seed:
 
 def parallel_sampling(
     samples: Sequence[int], prompt_len: int = 100, new_tokens: int = 40, block_size: int = 16, seed: int = 0
-) -> list[dict[str, object]]:
+) -> list[dict[str, Any]]:
     """n samples forked from one prompt: copies made and peak blocks, shared vs separate."""
     rng = np.random.default_rng(seed)
     prompt = [int(t) for t in rng.integers(0, MODEL.config.vocab, size=prompt_len)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -25,6 +26,7 @@ from kvspec.experiments.report import emit_json, table
 from kvspec.impl.block_pool import BlockPool
 from kvspec.impl.hashing import chain
 from kvspec.impl.prefix_caching import PrefixCachingBlockManager
+from kvspec.spec.block_pool import Policy
 from kvspec.spec.prefix_cache import PrefixCachingManager
 
 # -- 1. chained hashes ---------------------------------------------------------------
@@ -33,7 +35,7 @@ SYSTEM_PROMPT = tuple(range(101, 111))  # 10 tokens
 OPENING = (7, 8)  # both users start the same way: 12 shared tokens = 3 blocks of 4
 
 
-def chained_hash_demo(block_size: int = 4) -> dict[str, object]:
+def chained_hash_demo(block_size: int = 4) -> dict[str, Any]:
     first = SYSTEM_PROMPT + OPENING + (21, 22, 23, 24)
     second = SYSTEM_PROMPT + OPENING + (31, 32, 33, 34)
     changed = list(first)
@@ -132,7 +134,7 @@ def prefill_hours(trace: traces.Trace, hits: Sequence[int], model: PrefillModel)
     return total / 3600
 
 
-def gpu_time_experiment(model: PrefillModel, policy: str = "lru") -> list[dict[str, object]]:
+def gpu_time_experiment(model: PrefillModel, policy: Policy = "lru") -> list[dict[str, Any]]:
     block_bytes = model.kv_bytes_per_token * traces.BLOCK_TOKENS
     jobs = [(name, capacity, policy) for name in traces.SHIPPED for capacity in traces.CAPACITIES]
     replayed = dict(zip(jobs, traces.replay_all(jobs, "prefill time"), strict=True))

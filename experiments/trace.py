@@ -22,6 +22,7 @@ import json
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -125,9 +126,7 @@ def _load_once(path: str) -> Trace:
     return load(path)
 
 
-def sweep(
-    paths: Sequence[str], capacities: Sequence[int | None], policies: Sequence[Policy]
-) -> list[dict[str, object]]:
+def sweep(paths: Sequence[str], capacities: Sequence[int | None], policies: Sequence[Policy]) -> list[dict[str, Any]]:
     jobs = [(path, c, p) for path in paths for p in policies for c in capacities]
     rows = []
     for (path, capacity, policy), hits in zip(jobs, replay_all(jobs), strict=True):
@@ -136,7 +135,7 @@ def sweep(
     return rows
 
 
-def plot(rows: list[dict[str, object]], path: Path) -> bool:
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     try:
         import matplotlib
 

@@ -9,6 +9,7 @@ time, with the online softmax of ``merge_block``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 
 import attrs
@@ -127,39 +128,38 @@ class PagedLayerKV:
 
 def attend_ragged(views: Sequence[LayerKV], queries: Sequence[np.ndarray], starts: Sequence[int]) -> list[np.ndarray]:
     """Attention for a whole batch: one ``paged_attention`` call per layer of shared block arrays."""
-    results: list[np.ndarray | None] = [None] * len(views)
-    groups: dict[tuple[int, int, Merge], list[int]] = {}
+    results: dict[int, np.ndarray] = {}
+    groups: dict[tuple[int, int, Merge], list[tuple[int, PagedLayerKV]]] = {}
     for i, view in enumerate(views):
         if isinstance(view, PagedLayerKV):
-            groups.setdefault((id(view.key_blocks), id(view.value_blocks), view.merge), []).append(i)
+            groups.setdefault((id(view.key_blocks), id(view.value_blocks), view.merge), []).append((i, view))
         else:
             results[i] = view.attend(queries[i], starts[i])
     for members in groups.values():
-        first = views[members[0]]
+        first = members[0][1]
         outputs = paged_attention(
-            [queries[i] for i in members],
+            [queries[i] for i, _ in members],
             first.key_blocks,
             first.value_blocks,
-            [views[i].table for i in members],
-            [starts[i] for i in members],
+            [view.table for _, view in members],
+            [starts[i] for i, _ in members],
             first.merge,
         )
-        for i, out in zip(members, outputs, strict=True):
+        for (i, _), out in zip(members, outputs, strict=True):
             results[i] = out
-    return results
+    return [results[i] for i in range(len(views))]
 
 
 def _decode_one(query: np.ndarray, chunks: Iterator[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     """One decode query ``[heads, d]`` over head-major K/V chunks ``[kv_heads, tokens, d]``, online softmax."""
     heads, dim = query.shape
-    running_max = running_sum = acc = None
-    for keys, values in chunks:
-        kv_heads = len(keys)
-        if acc is None:
-            grouped = query.reshape(kv_heads, heads // kv_heads, dim) / np.sqrt(query.dtype.type(dim))
-            running_max = np.full((kv_heads, heads // kv_heads, 1), -np.inf, dtype=query.dtype)
-            running_sum = np.zeros_like(running_max)
-            acc = np.zeros_like(grouped)
+    first = next(chunks)  # a sequence has at least one token, so at least one chunk
+    kv_heads = len(first[0])
+    grouped = query.reshape(kv_heads, heads // kv_heads, dim) / np.sqrt(query.dtype.type(dim))
+    running_max = np.full((kv_heads, heads // kv_heads, 1), -np.inf, dtype=query.dtype)
+    running_sum = np.zeros_like(running_max)
+    acc = np.zeros_like(grouped)
+    for keys, values in itertools.chain([first], chunks):
         scores = np.matmul(grouped, keys.transpose(0, 2, 1))  # [kv_heads, group, tokens]; both BLAS-ready
         new_max = np.maximum(running_max, scores.max(axis=-1, keepdims=True))
         weights = np.exp(scores - new_max)

@@ -30,8 +30,9 @@ def encode(value: ExtraKey) -> bytes:
         return b"S" + len(value).to_bytes(8, "big") + value
     if isinstance(value, bytes):
         return b"B" + len(value).to_bytes(8, "big") + value
-    parts = b"".join(encode(part) for part in value)
-    return b"T" + len(value).to_bytes(8, "big") + parts
+    if isinstance(value, tuple):
+        return b"T" + len(value).to_bytes(8, "big") + b"".join(encode(part) for part in value)
+    raise TypeError(f"cannot encode {value!r}: check_extra_key admits None, int, str, bytes and tuples of them")
 
 
 def hash_block(parent: BlockHash, tokens: Sequence[int], extra_key: ExtraKey = None) -> BlockHash:

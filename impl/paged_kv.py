@@ -40,6 +40,8 @@ class PagedKVCache:
         blocks = (manager.pool.capacity, manager.block_size, shape.kv_heads, shape.head_dim)
         self._keys = [np.zeros(blocks) for _ in range(shape.num_layers)]
         self._values = [np.zeros(blocks) for _ in range(shape.num_layers)]
+        # Kept here rather than read back through the manager: a decode step asks for lengths often.
+        self._lengths: dict[SeqId, int] = {}
 
     @property
     def manager(self) -> BlockManager:
@@ -53,23 +55,29 @@ class PagedKVCache:
         return self._manager.sequences()
 
     def length(self, seq: SeqId) -> int:
-        return len(self._manager.read(seq))
+        if seq not in self._lengths:
+            self._manager.block_table(seq)  # the manager's own error for an unknown sequence
+        return self._lengths[seq]
 
     def add_sequence(self, seq: SeqId, prompt: Sequence[int]) -> int:
         plan = self._manager.add_sequence(seq, prompt)
+        self._lengths[seq] = len(prompt)
         self._copy_blocks(plan.copies)
         return plan.cached_tokens
 
     def append(self, seq: SeqId, tokens: Sequence[int]) -> WritePlan:
         plan = self._manager.append(seq, tokens)
+        self._lengths[seq] += len(tokens)
         self._copy_blocks(plan.copies)
         return plan
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
         self._manager.fork(parent, child)
+        self._lengths[child] = self._lengths[parent]
 
     def free(self, seq: SeqId) -> None:
         self._manager.free(seq)
+        del self._lengths[seq]
 
     def write(self, seq: SeqId, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
         table, length = self._table(seq), self.length(seq)
@@ -89,6 +97,8 @@ class PagedKVCache:
         if dst.shape != self._shape:
             raise InvalidOperation(f"cannot move KV of shape {self._shape} into a cache of shape {dst.shape}")
         mapping = self._manager.move_sequences(dst.manager, seqs)
+        for seq in seqs:
+            dst._lengths[seq] = self._lengths.pop(seq)
         for layer in range(self._shape.num_layers):
             for source, destination in mapping:
                 dst._keys[layer][destination] = self._keys[layer][source]

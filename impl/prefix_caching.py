@@ -29,7 +29,7 @@ class PrefixCachingBlockManager(BlockManager):
         self._extra_keys: dict[SeqId, ExtraKey] = {}
         self._chains: dict[SeqId, list[BlockHash]] = {}
 
-    def block_hashes(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[Hashable, ...]:
+    def block_hashes(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[BlockHash, ...]:
         tokens, extra_key = check_tokens(tokens, allow_empty=True), check_extra_key(extra_key)
         size, parent, hashes = self._block_size, ROOT, []
         for start in range(0, len(tokens) - size + 1, size):

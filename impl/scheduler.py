@@ -60,7 +60,7 @@ class Scheduler:
     def arrive(self, request: Request) -> None:
         request = check_request(request, self._arrived_set)
         self._check_fits_alone(request)
-        self._groups[request.request_id] = Entry(Group(request=request, arrival=len(self._arrived)))
+        self._groups[request.request_id] = Entry.of(Group(request=request, arrival=len(self._arrived)))
         self._arrived.append(request.request_id)
         self._arrived_set.add(request.request_id)
 
@@ -195,8 +195,9 @@ class Scheduler:
 
     def _release(self, group: Entry) -> None:
         manager = {"running": self._gpu, "swapped": self._cpu}.get(group.location)
-        for seq in group.seqs if manager is not None else ():
-            manager.free(seq)
+        if manager is not None:
+            for seq in group.seqs:
+                manager.free(seq)
 
 
 @attrs.define
@@ -210,10 +211,9 @@ class Entry:
     preemptions: int
     seqs: tuple[tuple[RequestId, int], ...]
 
-    def __init__(self, group: Group) -> None:
-        self.__attrs_init__(
-            group.request, group.arrival, group.location, group.generated, group.preemptions, group.seqs
-        )
+    @classmethod
+    def of(cls, group: Group) -> Entry:
+        return cls(group.request, group.arrival, group.location, group.generated, group.preemptions, group.seqs)
 
     def frozen(self) -> Group:
         return Group(self.request, self.arrival, self.location, self.generated, self.preemptions)

@@ -11,12 +11,12 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
-settings.register_profile("dev", max_examples=60, stateful_step_count=40, **COMMON)
+UNTIMED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", UNTIMED, max_examples=60, stateful_step_count=40)
 settings.register_profile(
-    "ci", max_examples=60, stateful_step_count=40, derandomize=True, database=None, print_blob=True, **COMMON
+    "ci", UNTIMED, max_examples=60, stateful_step_count=40, derandomize=True, database=None, print_blob=True
 )
-settings.register_profile("thorough", max_examples=600, stateful_step_count=80, **COMMON)
+settings.register_profile("thorough", UNTIMED, max_examples=600, stateful_step_count=80)
 PROFILES = ("dev", "ci", "thorough")
 
 

@@ -18,7 +18,7 @@ Rules (vLLM §4.2-4.4 and §5, lecture §4-5):
   shared (count + 1) and none is allocated.
 * ``free(seq)`` releases the table's blocks, last block first.
 * ``move_sequences(src, dst, seqs)`` moves a group of sequences to another
-  device's manager (swap): all of their distinct blocks are copied into freshly
+  device's manager of the same implementation (swap): all of their distinct blocks are copied into freshly
   allocated blocks of ``dst`` -- all or nothing -- the sharing inside the
   group is kept, and the blocks are released in ``src``.  Moved blocks arrive
   uncached: ``dst``'s prefix cache does not learn them, so a later prompt
@@ -50,7 +50,7 @@ from __future__ import annotations
 import numbers
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 import attrs
 
@@ -102,7 +102,8 @@ class BlockManager(Protocol):
     def read(self, seq: SeqId) -> tuple[int, ...]: ...
     def block_table(self, seq: SeqId) -> tuple[int, ...]: ...
     def sequences(self) -> tuple[SeqId, ...]: ...
-    def move_sequences(self, dst: BlockManager, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]: ...
+    # Swap moves between two managers of one implementation (a GPU's and a CPU's), hence ``Self``:
+    def move_sequences(self, dst: Self, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]: ...
     def snapshot(self) -> ManagerState: ...
 
 

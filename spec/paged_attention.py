@@ -63,7 +63,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 import attrs
 import numpy as np
@@ -141,7 +141,7 @@ class PagedKVCache(KVCache, SequenceStore, Protocol):
     def manager(self) -> BlockManager: ...
     @property
     def shape(self) -> KVShape: ...
-    def move_sequences(self, dst: PagedKVCache, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]: ...
+    def move_sequences(self, dst: Self, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]: ...
 
 
 def max_abs_difference(paged: Sequence[np.ndarray], contiguous: Sequence[np.ndarray]) -> float:
