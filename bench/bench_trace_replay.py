@@ -1,9 +1,10 @@
-"""Time of replaying both Mooncake traces at all 8 capacities x both policies.
+"""Time of replaying both Mooncake traces at all 8 capacities x both policies, in one process.
 
-The pool path is ``kvspec.experiments.trace.replay_all`` (the reference ``BlockPool``
-as a global cache, on two processes); the lower bound replays the same jobs
-through a plain ``OrderedDict`` LRU in one process (no reference counts, no
-free queue, no LFU: the least any replay must do).  Prints both and the ratio.
+The pool path is ``kvspec.experiments.trace.replay`` (the reference ``BlockPool`` as a
+global cache); the lower bound replays the same jobs through a plain ``OrderedDict``
+LRU (no reference counts, no free queue, no LFU: the least any replay must do).  Both
+run in this process, one job after another, so the ratio compares like with like
+(``kvspec trace`` itself spreads the jobs over two processes).
 
     python -m bench.bench_trace_replay
 """
@@ -15,6 +16,7 @@ import time
 from collections import OrderedDict
 
 from kvspec.experiments import trace as traces
+from kvspec.experiments.report import progress
 
 
 def dict_replay(blocks: tuple[tuple[int, ...], ...], capacity: int | None) -> int:
@@ -35,19 +37,20 @@ def dict_replay(blocks: tuple[tuple[int, ...], ...], capacity: int | None) -> in
 
 
 def main() -> int:
-    jobs = [(name, c, p) for name in traces.SHIPPED for p in ("lru", "lfu") for c in traces.CAPACITIES]
+    jobs = [(name, c, p) for name in traces.SHIPPED for p in traces.POLICIES for c in traces.CAPACITIES]
     loaded = {name: traces.load(name) for name in traces.SHIPPED}
     start = time.perf_counter()
-    traces.replay_all(jobs)
+    for name, capacity, policy in progress(jobs, "reference pool"):
+        traces.replay(loaded[name], capacity, policy)
     pool_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    for name, capacity, _ in jobs:
+    for name, capacity, _ in progress(jobs, "plain dict"):
         dict_replay(loaded[name].blocks, capacity)
     dict_seconds = time.perf_counter() - start
-    print(f"{len(jobs)} replays (2 traces x 8 capacities x 2 policies)")
-    print(f"reference BlockPool, {traces.WORKERS} processes: {pool_seconds:6.2f} s")
-    print(f"plain OrderedDict LRU, 1 process:    {dict_seconds:6.2f} s")
-    print(f"ratio pool / dict:                  {pool_seconds / dict_seconds:6.1f}x")
+    print(f"{len(jobs)} replays (2 traces x 8 capacities x 2 policies), one process")
+    print(f"reference BlockPool:   {pool_seconds:6.2f} s")
+    print(f"plain OrderedDict LRU: {dict_seconds:6.2f} s")
+    print(f"ratio pool / dict:     {pool_seconds / dict_seconds:6.2f}x")
     return 0
 
 

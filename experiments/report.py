@@ -1,4 +1,4 @@
-"""Printing for experiments: aligned tables, ``--json`` output, progress on stderr."""
+"""Printing for the command line: aligned tables, ``--json`` output, progress on stderr."""
 
 from __future__ import annotations
 
@@ -42,9 +42,23 @@ def emit_json(payload: Any) -> None:
 
 
 def progress(items: Sequence[T], label: str) -> Iterator[T]:
-    """Yield items while showing 'label i/n' on stderr (only when stderr is a terminal or CI)."""
+    """Yield items while showing progress on stderr.
+
+    On a terminal with the ``progress`` extra installed, a tqdm bar; elsewhere (CI, a log
+    file, a pipe) one plain line per tenth of the work, never carriage returns.
+    """
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            pass
+        else:
+            yield from tqdm(items, desc=label, file=sys.stderr, leave=False)
+            return
     total = len(items)
+    reported = 0
     for i, item in enumerate(items, 1):
-        print(f"\r{label} {i}/{total}", end="", file=sys.stderr, flush=True)
         yield item
-    print(file=sys.stderr)
+        if 10 * i // total > reported or i == total:
+            reported = 10 * i // total
+            print(f"{label}: {i}/{total}", file=sys.stderr, flush=True)

@@ -35,7 +35,7 @@ SHIPPED = {"conversation": DATA / "conversation_trace.jsonl.gz", "synthetic": DA
 BLOCK_TOKENS = 512
 WORKERS = 2
 CAPACITIES: tuple[int | None, ...] = (1_000, 5_000, 10_000, 20_000, 30_000, 50_000, 100_000, None)  # None: unbounded
-# FAST'25 (Mooncake) Table 2, as quoted in ../shared/data/mooncake/README.md: requests, mean input, mean output.
+# FAST'25 (Mooncake) Table 2: requests, mean input, mean output of each trace (see experiments/data/README.md).
 TABLE_2 = {"conversation": (12_031, 12_035, 343), "synthetic": (3_993, 15_325, 149)}
 
 

@@ -3,7 +3,7 @@
 Blocks reaching reference count zero join the free queue's tail; ``allocate``
 pops from the head.  Under ``lru`` the queue is an ``OrderedDict`` (O(1) push,
 pop and removal from the middle when a cached block is hit); under ``lfu`` it
-is a heap keyed by (uses, release order) with lazy deletion.
+is one such queue per use count, with a heap of the live counts.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class BlockPool:
             refcounts=tuple(self._refcounts),
             free_queue=tuple(self._free),
             block_hashes=tuple(self._hashes),
-            cached=dict(self._cached),
+            cached={block_hash: (block,) for block_hash, block in self._cached.items()},
         )
 
     def _forget(self, block: int) -> None:

@@ -94,7 +94,21 @@ def check(argv: Sequence[str]) -> int:
 
 
 def run_module(module_name: str, argv: Sequence[str]) -> int:
-    return importlib.import_module(module_name).main(list(argv))
+    status: int = importlib.import_module(module_name).main(list(argv))
+    return status
+
+
+def repro(argv: Sequence[str]) -> int:
+    usage = f"usage: kvspec repro {{{','.join(REPRO)}}} [--json] [--help]"
+    if argv and argv[0] in REPRO:
+        return run_module(REPRO[argv[0]], argv[1:])
+    asked = bool(argv) and argv[0] in ("-h", "--help")
+    print(usage, file=sys.stdout if asked else sys.stderr)
+    if asked:
+        for name, module_name in REPRO.items():
+            summary = (importlib.import_module(module_name).__doc__ or "").strip().splitlines()[0]
+            print(f"  {name:<16} {summary}")
+    return 0 if asked else 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -109,10 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "trace":
         return run_module("kvspec.experiments.trace", rest)
     if command == "repro":
-        if not rest or rest[0] not in REPRO:
-            print(f"usage: kvspec repro {{{','.join(REPRO)}}} [--json]", file=sys.stderr)
-            return 2
-        return run_module(REPRO[rest[0]], rest[1:])
+        return repro(rest)
     print(usage, file=sys.stderr)
     return 2
 

@@ -9,8 +9,10 @@ its own implementation::
   the default is the reference.  A bad value is a usage error, in one line.
 * ``--kv-profile dev|ci|thorough`` runs the machines under one of kvspec's
   Hypothesis profiles; without it they run under whatever profile is loaded.
-* Machines get the implementation through the ``kv_implementation`` fixture
-  when they run: nothing is bound at import time.
+* A module declares its machines with ``harness.conformance_test``; the
+  plugin binds each to the implementation at collection (nothing is bound at
+  import time), so they run as ordinary Hypothesis state-machine tests.  Plain
+  tests get the implementation from the ``kv_implementation`` fixture.
 """
 
 from __future__ import annotations
@@ -56,14 +58,24 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return f"kvspec: implementation under test: {implementation.name} ({path})"
 
 
+def pytest_pycollect_makeitem(collector: pytest.Module | pytest.Class, name: str, obj: object) -> object:
+    """Bind each declared machine to the selected implementation, then collect it as pytest would."""
+    if not isinstance(obj, harness.ConformanceTest):
+        return None
+    implementation = collector.config.stash[SELECTION][1]
+    bound = obj.bind(implementation, profile_settings(collector.config))
+    bound.__name__ = bound.__qualname__ = name
+    setattr(collector.obj, name, bound)  # pytest's collectors look the class up by name
+    return collector.ihook.pytest_pycollect_makeitem(collector=collector, name=name, obj=bound)
+
+
+def profile_settings(config: pytest.Config) -> Settings | None:
+    """The Hypothesis settings of ``--kv-profile``; None means the profile already loaded."""
+    name = config.getoption("--kv-profile")
+    return Settings.get_profile(name) if name else None
+
+
 @pytest.fixture(scope="session")
 def kv_implementation(pytestconfig: pytest.Config) -> Implementation:
-    """The implementation that ``--kv-impl`` names, completed from the reference."""
+    """The implementation that ``--kv-impl`` names, completed from the reference (for plain tests)."""
     return pytestconfig.stash[SELECTION][1]
-
-
-@pytest.fixture(scope="session")
-def kv_settings(pytestconfig: pytest.Config) -> Settings | None:
-    """The Hypothesis settings of ``--kv-profile``; None means the profile already loaded."""
-    name = pytestconfig.getoption("--kv-profile")
-    return Settings.get_profile(name) if name else None

@@ -146,20 +146,26 @@ def conformance_settings(base: Settings | None = None, examples: float = 1.0) ->
     )
 
 
-def conformance_test(machine: type[LockstepMachine], examples: float = 1.0) -> type:
-    """The pytest-collected test of ``machine``; the implementation is bound when the test runs.
+@attrs.frozen
+class ConformanceTest:
+    """A machine as a test module declares it; kvspec's pytest plugin binds it at collection.
 
-    The test takes the ``kv_implementation`` and ``kv_settings`` fixtures of kvspec's pytest
-    plugin (``kvspec.pytest_plugin``), so the same module runs against whatever ``--kv-impl``
-    names, in this repository or in any project that has kvspec installed.
+    ``TestBlockPool = conformance_test(BlockPoolMachine)`` in a module collected by pytest
+    becomes the machine's Hypothesis ``TestCase`` bound to the implementation that
+    ``--kv-impl`` names (``kvspec.pytest_plugin``): nothing is bound at import time.
     """
 
-    def test_conformance(self: object, kv_implementation: Implementation, kv_settings: Settings | None) -> None:
-        bound = machine.bind(kv_implementation)
-        run_state_machine_as_test(bound, settings=conformance_settings(kv_settings, examples))
+    machine: type[LockstepMachine]
+    examples: float = 1.0  # scales the profile's example count, for machines whose steps are costly
 
-    namespace = {"test_conformance": test_conformance, "machine": machine, "__module__": machine.__module__}
-    return type(f"Test{machine.__name__}", (), namespace)
+    def bind(self, implementation: Implementation, base: Settings | None = None) -> type:
+        test = self.machine.bind(implementation).TestCase
+        test.settings = conformance_settings(base, self.examples)
+        return test
+
+
+def conformance_test(machine: type[LockstepMachine], examples: float = 1.0) -> ConformanceTest:
+    return ConformanceTest(machine, examples)
 
 
 @attrs.frozen
