@@ -5,6 +5,8 @@ from __future__ import annotations
 from kvspec.impl.attention import paged_decode_attention
 from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.block_pool import BlockPool
+from kvspec.impl.contiguous import ContiguousAllocator
+from kvspec.impl.kv_store import KVStore
 from kvspec.impl.paged_kv import ContiguousKVCache, PagedKVCache
 from kvspec.impl.prefix_caching import PrefixCachingBlockManager
 from kvspec.impl.radix_cache import RadixCache
@@ -23,7 +25,9 @@ def reference() -> Implementation:
         tiny_model=lambda **sizes: TinyModel(ModelConfig(**sizes)),
         contiguous_kv_cache=ContiguousKVCache,
         decode_attention=paged_decode_attention,
+        contiguous_allocator=ContiguousAllocator,
         prefix_caching_manager=PrefixCachingBlockManager,
         radix_cache=RadixCache,
         scheduler=Scheduler,
+        kv_store=KVStore,
     )

@@ -87,7 +87,8 @@ class LFUFreeQueue:
         return block
 
 
-FREE_QUEUES = {"lru": LRUFreeQueue, "lfu": LFUFreeQueue}
+FREE_QUEUES: dict[str, type[LRUFreeQueue] | type[LFUFreeQueue]] = {"lru": LRUFreeQueue, "lfu": LFUFreeQueue}
+_INT = {int}
 
 
 class BlockPool:
@@ -103,7 +104,9 @@ class BlockPool:
         self._uses = [0] * capacity
         self._hashes: list[Hashable | None] = [None] * capacity
         self._cached: dict[Hashable, int] = {}
-        self._free = FREE_QUEUES[policy](range(capacity))
+        self._free: LRUFreeQueue | LFUFreeQueue = FREE_QUEUES[policy](range(capacity))
+        # Under LRU the hot paths work on the queue's OrderedDict directly (no per-block method calls).
+        self._lru: OrderedDict[int, None] | None = self._free._queue if isinstance(self._free, LRUFreeQueue) else None
 
     @property
     def capacity(self) -> int:
@@ -117,44 +120,73 @@ class BlockPool:
         return self._refcounts[block]
 
     def allocate(self, n: int) -> list[int]:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        if type(n) is not int or n < 0:
             raise InvalidOperation(f"cannot allocate {n!r} blocks")
-        if n > len(self._free):
-            raise OutOfBlocks(n, len(self._free))
-        blocks = [self._free.pop() for _ in range(n)]
+        free = self._free
+        if n > len(free):
+            raise OutOfBlocks(n, len(free))
+        lru, refcounts, hashes = self._lru, self._refcounts, self._hashes
+        if lru is not None:
+            if n == 1:  # the commonest call: a sequence grows by one block
+                block = lru.popitem(False)[0]
+                if hashes[block] is not None:
+                    self._forget(block)
+                refcounts[block] = 1
+                return [block]
+            blocks = [*itertools.islice(lru, n)]
+            for block in blocks:
+                del lru[block]
+                if hashes[block] is not None:
+                    self._forget(block)
+                refcounts[block] = 1
+            return blocks
+        blocks = [free.pop() for _ in range(n)]
         for block in blocks:
-            self._forget(block)
-            self._refcounts[block] = 1
+            if hashes[block] is not None:
+                self._forget(block)
+            refcounts[block] = 1
             self._uses[block] = 1
         return blocks
 
     def share(self, blocks: Sequence[int]) -> None:
+        refcounts, hashes = self._refcounts, self._hashes
         self._check_all(blocks)
+        if 0 in map(refcounts.__getitem__, blocks):
+            for block in blocks:
+                if refcounts[block] == 0 and hashes[block] is None:
+                    raise InvalidOperation(f"block {block} is free and uncached: its contents are gone")
+        lru, uses = self._lru, self._uses
         for block in blocks:
-            if self._refcounts[block] == 0 and self._hashes[block] is None:
-                raise InvalidOperation(f"block {block} is free and uncached: its contents are gone")
-        for block in blocks:
-            if self._refcounts[block] == 0:
-                self._free.remove(block)
-            self._refcounts[block] += 1
-            self._uses[block] += 1
+            if refcounts[block] == 0:
+                if lru is not None:
+                    del lru[block]
+                else:
+                    self._free.remove(block)
+            refcounts[block] += 1
+            uses[block] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
-        self._check_all(blocks)
         refcounts = self._refcounts
-        if len(set(blocks)) != len(blocks) or any(refcounts[b] == 0 for b in blocks):
+        self._check_all(blocks)
+        if 0 in map(refcounts.__getitem__, blocks) or (len(blocks) > 1 and len(set(blocks)) != len(blocks)):
             for block, times in Counter(blocks).items():
                 if refcounts[block] < times:
                     raise InvalidOperation(
                         f"block {block} released {times} time(s) but holds {refcounts[block]} reference(s)"
                     )
+        lru = self._lru
         for block in blocks:
-            self._refcounts[block] -= 1
-            if self._refcounts[block] == 0:
-                self._free.push(block, self._uses[block])
+            count = refcounts[block] - 1
+            refcounts[block] = count
+            if count == 0:
+                if lru is not None:
+                    lru[block] = None
+                else:
+                    self._free.push(block, self._uses[block])
 
     def register(self, block: int, block_hash: Hashable) -> bool:
-        self._check(block)
+        if type(block) is not int or not 0 <= block < self._capacity:
+            self._check(block)
         if block_hash is None:
             raise InvalidOperation("None is not a block hash")
         if self._refcounts[block] == 0:
@@ -195,7 +227,11 @@ class BlockPool:
 
     def _check_all(self, blocks: Sequence[int]) -> None:
         """``_check`` for many blocks, with the common all-valid case in C-level builtins."""
-        if blocks and not (all(type(b) is int for b in blocks) and min(blocks) >= 0 and max(blocks) < self._capacity):
+        if len(blocks) == 1:
+            block = blocks[0]
+            if type(block) is not int or not 0 <= block < self._capacity:
+                self._check(block)
+        elif blocks and not (set(map(type, blocks)) <= _INT and min(blocks) >= 0 and max(blocks) < self._capacity):
             for block in blocks:
                 self._check(block)
 

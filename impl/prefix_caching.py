@@ -9,7 +9,7 @@ Each sequence keeps the hashes of its full blocks, so a fill hashes one block
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import attrs
 

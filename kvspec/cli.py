@@ -1,8 +1,12 @@
 """The ``kvspec`` command.
 
-* ``kvspec check [--impl module:factory] [--profile ci] [--json]`` -- run every
-  conformance machine against an implementation; one row per invariant;
-  exit status 1 if any is violated, with the shrunk operation sequence.
+* ``kvspec check [--impl module:factory] [--profile ci] [--json | --markdown]``
+  -- the conformance verdict (``kvspec.run_conformance``): one section per
+  tier (safety, caller contract, convention), every invariant violated, held
+  or not reached, every distinct finding with its shrunk operation sequence;
+  exit status 1 if any finding counts against the implementation.
+* ``kvspec engines [MODULE:FACTORY ...] [--out docs/engines.md]`` -- write
+  the verdicts of several implementations (say, the adapters) as one page.
 * ``kvspec repro NAME [--json]`` -- reproduce a lecture section's numbers.
 * ``kvspec trace [PATH ...] [--policy ...] [--capacity ...] [--json]`` --
   replay a Mooncake-format trace through the prefix cache.
@@ -19,78 +23,80 @@ REPRO = {
     "paged-attention": "kvspec.experiments.paged_attention",
     "prefix-cache": "kvspec.experiments.prefix_cache",
     "preemption": "kvspec.experiments.preemption",
+    "fragmentation": "kvspec.experiments.fragmentation",
+    "serving": "kvspec.experiments.serving",
+    "mooncake": "kvspec.experiments.mooncake",
 }
 
 
 def check(argv: Sequence[str]) -> int:
-    from hypothesis import settings
-
-    from kvspec.experiments.report import emit_json, table
+    from kvspec.conformance import report_progress, run_conformance
+    from kvspec.experiments.report import emit_json
     from kvspec.properties import harness, profiles, suite
-    from kvspec.spec.invariants import REGISTRY
 
     parser = argparse.ArgumentParser(prog="kvspec check", description="Conformance verdict for an implementation.")
     parser.add_argument(
         "--impl", default=None, metavar="MODULE:FACTORY", help="default: $KVSPEC_IMPL or impl:reference"
     )
     parser.add_argument("--profile", default="ci", choices=profiles.PROFILES)
-    parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
-    parser.add_argument("--machine", default="", help="run only the machines whose name contains this text")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    output.add_argument("--markdown", action="store_true", help="print the verdict as a section of docs/engines.md")
+    parser.add_argument("--machine", default="", help="run only the machines whose title contains this text")
     args = parser.parse_args(argv)
-    chosen = [(layer, path) for layer, path in suite.MACHINES if args.machine in layer]
-    if not chosen:
+    if not any(args.machine in title for title, _ in suite.MACHINES):
         print(f"kvspec check: no machine matches {args.machine!r}", file=sys.stderr)
         return 2
     try:
-        path, implementation = harness.select(args.impl)
+        path, _ = harness.select(args.impl)
     except harness.BadImplementation as error:
         print(f"kvspec check: --impl: {error}", file=sys.stderr)
         return 2
-    settings.load_profile(args.profile)
-    outcomes = []
-    for i, (layer, machine_path) in enumerate(chosen, 1):
-        print(f"[{i}/{len(chosen)}] {layer} ...", file=sys.stderr, flush=True)
-        outcomes.append((layer, harness.run_machine(suite.load_machine(machine_path), implementation, settings())))
-    rows = []
-    for name, rule in sorted(REGISTRY.items(), key=lambda item: item[1].layer):
-        checks = sum(outcome.checks.get(name, 0) for _, outcome in outcomes)
-        violated = [layer for layer, outcome in outcomes if outcome.invariant == name]
-        verdict = "VIOLATED" if violated else ("held" if checks else "not exercised")
-        rows.append({"invariant": name, "layer": rule.layer, "verdict": verdict, "checks": checks})
-    machines = [
-        {"machine": layer, "verdict": "held" if o.held else "VIOLATED", "runs": o.runs, "steps": o.steps_explored}
-        for layer, o in outcomes
-    ]
-    failures = [
-        {"machine": layer, "invariant": o.invariant, "detail": o.detail, "steps": list(o.steps)}
-        for layer, o in outcomes
-        if not o.held
-    ]
+    verdict = run_conformance(path, layers=[args.machine], profile=args.profile, progress=report_progress)
     if args.json:
-        emit_json(
-            {
-                "implementation": implementation.name,
-                "path": path,
-                "profile": args.profile,
-                "invariants": rows,
-                "machines": machines,
-                "violations": failures,
-            }
-        )
+        emit_json(verdict.to_json())
+    elif args.markdown:
+        print(verdict.markdown())
     else:
-        print(f"kvspec check: {implementation.name} ({path}), profile {args.profile}\n")
-        print(table(["invariant", "layer", "verdict", "checks"], [list(r.values()) for r in rows]))
-        print()
-        print(table(["machine", "verdict", "runs", "steps explored"], [list(m.values()) for m in machines]))
-        for failure in failures:
-            print(f"\n{failure['machine']}: {failure['invariant']} violated: {failure['detail']}")
-            print("shrunk operation sequence:")
-            for step in failure["steps"]:
-                print(f"    {step}")
-        print(
-            f"\n{'VIOLATED' if failures else 'CONFORMS'}: {len(failures)} of {len(outcomes)} machines found a violation"
-        )
-    return 1 if failures else 0
+        print(verdict)
+    return 0 if verdict.conforms else 1
+
+
+def engines(argv: Sequence[str]) -> int:
+    from kvspec.conformance import report_progress, run_conformance
+    from kvspec.properties import harness, profiles
+
+    parser = argparse.ArgumentParser(
+        prog="kvspec engines", description="Write docs/engines.md: the verdict of each implementation named."
+    )
+    parser.add_argument("impls", nargs="*", metavar="MODULE:FACTORY", default=[harness.REFERENCE])
+    parser.add_argument("--profile", default="ci", choices=profiles.PROFILES)
+    parser.add_argument("--out", default="docs/engines.md", help="where to write (- for standard output)")
+    args = parser.parse_args(argv)
+    sections = []
+    for path in args.impls:
+        try:
+            sections.append(run_conformance(path, profile=args.profile, progress=report_progress).markdown())
+        except harness.BadImplementation as error:
+            print(f"kvspec engines: {path}: {error}", file=sys.stderr)
+            return 2
+    document = ENGINES_HEADER + "\n".join(sections)
+    if args.out == "-":
+        print(document)
+    else:
+        with open(args.out, "w", encoding="utf-8") as out:
+            out.write(document)
+    return 0
+
+
+ENGINES_HEADER = """# Engines under kvspec
+
+Written by `kvspec engines MODULE:FACTORY ...`; do not edit by hand.  Each
+section is one implementation's verdict (`kvspec check --markdown`): its
+declared conventions, then per tier every invariant -- violated, held, or
+not reached -- and every distinct finding with its shrunk operation sequence.
+
+"""
 
 
 def run_module(module_name: str, argv: Sequence[str]) -> int:
@@ -113,13 +119,15 @@ def repro(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: kvspec {check,repro,trace} ...  (kvspec COMMAND --help for each)"
+    usage = "usage: kvspec {check,engines,repro,trace} ...  (kvspec COMMAND --help for each)"
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\n" + usage)
         return 0
     command, rest = argv[0], argv[1:]
     if command == "check":
         return check(rest)
+    if command == "engines":
+        return engines(rest)
     if command == "trace":
         return run_module("kvspec.experiments.trace", rest)
     if command == "repro":

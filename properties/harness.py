@@ -3,12 +3,31 @@
 A machine in ``properties/`` is written once, against ``LockstepMachine``, and
 bound to an implementation with ``Machine.bind(implementation)`` -- the same
 rules then run against the reference, a user's allocator or a broken member
-of the zoo (as Hypothesis's provider conformance test does).  Every
-operation goes through ``lockstep``: the spec transition and the
-implementation call must agree on the verdict, and a rejected operation must
-leave the implementation's snapshot untouched.  Invariants are evaluated by
-name (``check``), so a failure always names the rule that broke; the steps
-recorded with ``record`` are the shrunk operation sequence shown with it.
+of the zoo (as Hypothesis's provider conformance test does).
+
+Every operation goes through one dispatch, by name: ``self.pool("allocate", 2)``
+calls ``spec.block_pool.allocate(model, 2)`` and ``pool.allocate(2)``, where
+``self.pool`` is a ``Subject`` (an implementation object, the spec module that
+models it and the model's current state).  The spec's transition answers a
+new state, an answer, or both (``(state, answer)``; ``(state, state, answer)``
+for a call that involves a second subject); the dispatch keeps the new state
+and checks, per call:
+
+* a call the spec refuses as ``InvalidOperation`` is out of contract: the
+  implementation must refuse it too, with the same class and no change
+  (``invariant_out_of_contract_call_rejected``).  To an implementation that
+  trusts its caller such calls are not sent at all;
+* otherwise the verdicts agree (``invariant_verdict_matches_spec``), a call
+  refused for want of room changes nothing
+  (``invariant_failed_operation_changes_nothing``), and the answers agree
+  (``invariant_result_matches_spec``, or the invariant the call names).
+
+The line each call records is made from the call itself, so the operation
+sequence a failure prints is exactly the calls that ran.  Invariants are
+``spec`` objects, checked one by one (``check``) or by group
+(``check_group``).  A machine can be bound to check ``only`` some invariants
+(the meta-tests prove each able to fail alone) or to discard the examples
+that break ``known`` ones (a verdict's reruns look past what it has found).
 """
 
 from __future__ import annotations
@@ -17,23 +36,31 @@ import importlib
 import os
 from collections import Counter
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, ClassVar, TypeVar
 
 import attrs
-from hypothesis import HealthCheck, Phase, event
+from hypothesis import HealthCheck, Phase, assume, event
 from hypothesis import settings as Settings
-from hypothesis.errors import Flaky
+from hypothesis.errors import Flaky, Unsatisfiable
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-from kvspec.spec.errors import KVSpecError, verdict
+from kvspec.spec.errors import InvalidOperation, KVSpecError, verdict
 from kvspec.spec.implementation import Implementation
-from kvspec.spec.invariants import InvariantViolation, require
+from kvspec.spec.invariants import (
+    Group,
+    Invariant,
+    InvariantViolation,
+    invariant_failed_operation_changes_nothing,
+    invariant_out_of_contract_call_rejected,
+    invariant_result_matches_spec,
+    invariant_verdict_matches_spec,
+)
 
 REFERENCE = "kvspec.impl:reference"
 ENVIRONMENT_VARIABLE = "KVSPEC_IMPL"
+EVERY_OPERATION = frozenset({"*"})  # spared: no out-of-contract call is sent
 
-T = TypeVar("T")
-U = TypeVar("U")
 M = TypeVar("M", bound="LockstepMachine")
 
 
@@ -69,14 +96,55 @@ def select(path: str | None) -> tuple[str, Implementation]:
     return path, load_implementation(path)
 
 
+@attrs.frozen
+class Answer:
+    """What one call answered: the model's expectation and the implementation's answer."""
+
+    expected: Any
+    actual: Any
+
+
+class Subject:
+    """An implementation object driven in lockstep with the spec module that models it.
+
+    ``model`` is the model's current state (None: no model, the implementation
+    runs alone and every call is only recorded); ``snapshot`` reads the
+    implementation's abstract state (default: its ``snapshot()``).
+    """
+
+    def __init__(
+        self,
+        machine: LockstepMachine,
+        name: str,
+        spec: ModuleType | None,
+        model: Any,
+        impl: Any,
+        snapshot: Callable[[], object] | None = None,
+    ) -> None:
+        self.machine, self.name, self.spec, self.model, self.impl = machine, name, spec, model, impl
+        self.snapshot = snapshot or (lambda: impl.snapshot())
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def __call__(
+        self, operation: str, *args: Any, judged_by: Invariant | None = invariant_result_matches_spec, note: str = ""
+    ) -> Answer | None:
+        """Run ``operation`` on both sides; None when it was refused (or, out of contract, not sent)."""
+        return self.machine.dispatch(self, operation, args, judged_by, note)
+
+
 class LockstepMachine(RuleBasedStateMachine):
     """Base of every conformance machine; see the module docstring."""
 
     implementation: ClassVar[Implementation]
+    only: ClassVar[frozenset[Invariant] | None] = None
+    known: ClassVar[frozenset[Invariant]] = frozenset()
+    spared: ClassVar[frozenset[str]] = frozenset()  # operations whose out-of-contract calls are not sent
     last_steps: ClassVar[tuple[str, ...]] = ()
     runs: ClassVar[int] = 0
     steps_explored: ClassVar[int] = 0
-    checks: ClassVar[Counter[str]]
+    checks: ClassVar[Counter[Invariant]]
 
     def __init__(self) -> None:
         super().__init__()
@@ -84,51 +152,126 @@ class LockstepMachine(RuleBasedStateMachine):
         type(self).runs += 1
 
     @classmethod
-    def bind(cls: type[M], implementation: Implementation) -> type[M]:
-        """A subclass of this machine that runs against ``implementation``."""
-        namespace = {
+    def bind(
+        cls: type[M],
+        implementation: Implementation,
+        *,
+        only: frozenset[Invariant] | None = None,
+        known: frozenset[Invariant] = frozenset(),
+        spared: frozenset[str] | None = None,
+    ) -> type[M]:
+        """This machine against ``implementation``.
+
+        ``only``: check only these invariants.  ``known``: discard the examples that break these.
+        ``spared``: the operations whose out-of-contract calls are not sent (default: every one to an
+        implementation that trusts its caller, none to another).
+        """
+        if spared is None:
+            spared = EVERY_OPERATION if implementation.conventions.trusts_caller else frozenset()
+        namespace: dict[str, Any] = {
             "implementation": implementation,
+            "only": only,
+            "known": known,
+            "spared": spared,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "checks": Counter(),
         }
         return type(cls.__name__, (cls,), namespace)
 
+    @property
+    def conventions(self) -> Any:
+        return self.implementation.conventions
+
+    def subject(
+        self, name: str, spec: ModuleType | None, model: Any, impl: Any, snapshot: Callable[[], object] | None = None
+    ) -> Subject:
+        return Subject(self, name, spec, model, impl, snapshot)
+
     def record(self, text: str) -> None:
         self.steps.append(text)
         type(self).steps_explored += 1
 
-    def check(self, name: str, *args: Any) -> None:
-        type(self).checks[name] += 1
-        require(name, *args)
+    def check(self, rule: Invariant, *args: Any, operation: str = "") -> None:
+        """Evaluate ``rule`` on ``args``; raise if it does not hold (discard the example if it is known)."""
+        if self.only is not None and rule not in self.only:
+            return
+        type(self).checks[rule] += 1
+        problem = rule(*args)
+        if problem is None:
+            return
+        if rule in self.known:
+            assume(False)
+        raise InvariantViolation(rule, problem, operation)
 
-    def lockstep(
-        self,
-        label: str,
-        spec_call: Callable[[], T],
-        impl_call: Callable[[], U],
-        snapshot: Callable[[], object],
-    ) -> tuple[T, U] | None:
-        """Run both sides of one operation; None when both rejected it."""
-        self.record(label)
+    def check_group(self, group: Group, *args: Any) -> None:
+        for rule, arguments in group.evaluations(*args):
+            self.check(rule, *arguments)
+
+    def dispatch(
+        self, subject: Subject, operation: str, args: tuple[Any, ...], judged_by: Invariant | None, note: str
+    ) -> Answer | None:
+        """One call on both sides, checked; see the module docstring."""
+        label = f"{subject.name}.{operation}({', '.join(map(repr, args))})" + (f"  # {note}" if note else "")
+        subjects = [subject, *(arg for arg in args if isinstance(arg, Subject))]
+        impl_args = [arg.impl if isinstance(arg, Subject) else arg for arg in args]
+        if subject.spec is None:
+            self.record(label)
+            return Answer(None, getattr(subject.impl, operation)(*impl_args))
         try:
-            expected, spec_error = spec_call(), None
+            model_args = [arg.model if isinstance(arg, Subject) else arg for arg in args]
+            result, spec_error = getattr(subject.spec, operation)(subject.model, *model_args), None
         except KVSpecError as error:
-            expected, spec_error = None, error
-        before = snapshot()
+            result, spec_error = None, error
+        out_of_contract = isinstance(spec_error, InvalidOperation)
+        if out_of_contract and (self.spared == EVERY_OPERATION or operation in self.spared):
+            return None
+        self.record(label)
+
+        def snapshots() -> object:
+            return subjects[0].snapshot() if len(subjects) == 1 else tuple(s.snapshot() for s in subjects)
+
+        before = snapshots()
         try:
-            actual, impl_error = impl_call(), None
+            actual, impl_error = getattr(subject.impl, operation)(*impl_args), None
         except Exception as error:  # an untyped error is a verdict too: the wrong one
             actual, impl_error = None, error
-        self.check("invariant_verdict_matches_spec", verdict(spec_error), verdict(impl_error))
-        if impl_error is not None:
-            event(f"{label.split('(')[0]} rejected with {verdict(impl_error)}")
-            self.check("invariant_failed_operation_changes_nothing", before, snapshot())
+        if out_of_contract:
+            rejected = (verdict(spec_error), verdict(impl_error), before, snapshots())
+            self.check(invariant_out_of_contract_call_rejected, *rejected, operation=operation)
+            event(f"{operation} out of contract, rejected")
             return None
-        return expected, actual  # type: ignore[return-value]
+        self.check(invariant_verdict_matches_spec, verdict(spec_error), verdict(impl_error))
+        if impl_error is not None:
+            event(f"{operation} rejected with {verdict(impl_error)}")
+            self.check(invariant_failed_operation_changes_nothing, before, snapshots())
+            return None
+        if spec_error is not None:  # the verdicts differ, and only other invariants are checked
+            return None
+        states, expected = split_result(result, [s.model for s in subjects])
+        for s, state in zip(subjects, states, strict=True):
+            s.model = state
+        if judged_by is not None:
+            self.check(judged_by, expected, actual)
+        return Answer(expected, actual)
 
     def teardown(self) -> None:
         type(self).last_steps = tuple(self.steps)
+
+
+def split_result(result: Any, models: list[Any]) -> tuple[list[Any], Any]:
+    """A transition's result as (the subjects' new states, the answer).
+
+    A transition returns its subjects' new states first (one per subject, in order), then at most one
+    answer; a query returns only the answer and leaves the states as they were.
+    """
+    state_type = type(models[0])
+    if isinstance(result, state_type):
+        return [result], None
+    if isinstance(result, tuple) and result and isinstance(result[0], state_type):
+        states, rest = list(result[: len(models)]), result[len(models) :]
+        return states, rest[0] if len(rest) == 1 else (rest or None)
+    return models, result
 
 
 def conformance_settings(base: Settings | None = None, examples: float = 1.0) -> Settings:
@@ -141,7 +284,12 @@ def conformance_settings(base: Settings | None = None, examples: float = 1.0) ->
     return Settings(
         base,
         deadline=None,
-        suppress_health_check=[*base.suppress_health_check, HealthCheck.too_slow, HealthCheck.data_too_large],
+        suppress_health_check=[
+            *base.suppress_health_check,
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.filter_too_much,
+        ],
         max_examples=max(5, int(base.max_examples * examples)),
     )
 
@@ -169,43 +317,59 @@ def conformance_test(machine: type[LockstepMachine], examples: float = 1.0) -> C
 
 
 @attrs.frozen
+class Finding:
+    """One violated invariant: what broke, on which call, and the shrunk sequence that shows it."""
+
+    invariant: Invariant | None  # None: the machine itself failed (an uncaught error)
+    detail: str
+    operation: str
+    steps: tuple[str, ...]
+
+
+@attrs.frozen
 class Outcome:
-    """The verdict of one machine against one implementation."""
+    """One run of one machine against one implementation: its first finding (if any) and what it checked."""
 
     machine: str
-    invariant: str | None
-    detail: str
-    steps: tuple[str, ...]
+    finding: Finding | None
     runs: int
     steps_explored: int
-    checks: dict[str, int]
+    checks: dict[Invariant, int]
+    unsatisfiable: bool = False  # every example broke a known invariant: nothing more could be reached
 
     @property
     def held(self) -> bool:
-        return self.invariant is None
+        return self.finding is None
 
 
 def run_machine(
-    machine: type[LockstepMachine], implementation: Implementation, settings: Settings | None = None
+    machine: type[LockstepMachine],
+    implementation: Implementation,
+    settings: Settings | None = None,
+    *,
+    only: frozenset[Invariant] | None = None,
+    known: frozenset[Invariant] = frozenset(),
+    spared: frozenset[str] | None = None,
 ) -> Outcome:
-    """Run ``machine`` against ``implementation``; report the first invariant violated, shrunk."""
-    bound = machine.bind(implementation)
-    settings = settings or Settings()
+    """Run ``machine`` against ``implementation``; its first invariant violated, shrunk."""
+    bound = machine.bind(implementation, only=only, known=known, spared=spared)
+    settings = conformance_settings(settings)
     phases = [phase for phase in settings.phases if phase is not Phase.explain]  # slow, and adds nothing here
     settings = Settings(settings, report_multiple_bugs=False, phases=phases)
-    invariant, detail = None, ""
+    finding, unsatisfiable = None, False
     try:
         run_state_machine_as_test(bound, settings=settings)
     except InvariantViolation as violation:
-        invariant, detail = violation.invariant, violation.detail
+        finding = Finding(violation.invariant, violation.detail, violation.operation, bound.last_steps)
+    except Unsatisfiable:
+        unsatisfiable = True
     except (Flaky, Exception) as error:
-        invariant, detail = f"uncaught {type(error).__name__}", str(error)
+        finding = Finding(None, f"{type(error).__name__}: {error}", "", bound.last_steps)
     return Outcome(
         machine=machine.__name__,
-        invariant=invariant,
-        detail=detail,
-        steps=bound.last_steps if invariant else (),
+        finding=finding,
         runs=bound.runs,
         steps_explored=bound.steps_explored,
         checks=dict(bound.checks),
+        unsatisfiable=unsatisfiable,
     )

@@ -27,9 +27,20 @@ MACHINES: tuple[tuple[str, str], ...] = (
     ("scheduler (recompute)", "kvspec.properties.test_scheduler:SchedulerMachine"),
     ("scheduler (swap)", "kvspec.properties.test_scheduler:SwapSchedulerMachine"),
     ("scheduler deadlock freedom", "kvspec.properties.test_scheduler:DeadlockFreedomMachine"),
+    ("contiguous allocators", "kvspec.properties.test_contiguous:ContiguousMachine"),
+    ("contiguous allocators (A100, 12,596 slots)", "kvspec.properties.test_contiguous:A100ContiguousMachine"),
+    ("tiered KV store (node faults)", "kvspec.properties.test_kv_store:KVStoreMachine"),
 )
 
 
 def load_machine(path: str) -> type[LockstepMachine]:
     module_name, _, attribute = path.partition(":")
     return getattr(importlib.import_module(module_name), attribute)
+
+
+def machine_titled(title: str) -> type[LockstepMachine]:
+    """The machine listed under ``title``."""
+    paths = dict(MACHINES)
+    if title not in paths:
+        raise KeyError(f"no machine titled {title!r}; the suite has {sorted(paths)}")
+    return load_machine(paths[title])

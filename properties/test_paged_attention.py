@@ -17,7 +17,7 @@ implementation record like the cache under test (``tiny_model``,
 ``contiguous_kv_cache``; the reference's unless replaced), and so does the
 benchmark's fast decode kernel (``decode_attention``), checked below against
 formula (4) written out in numpy.  Rules for prefix hits and swap round trips
-slot in as further ``@rule`` methods that change ``self.spec_manager``,
+slot in as further ``@rule`` methods that change ``self.paged.model``,
 ``self.paged`` and ``self.twin`` together.
 """
 
@@ -33,6 +33,7 @@ from hypothesis.stateful import initialize, precondition, rule
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import block_manager as model
 from kvspec.spec import block_pool
+from kvspec.spec import paged_attention as spec
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import require
 
@@ -52,10 +53,12 @@ class PagedAttentionMachine(LockstepMachine):
         self.record(f"paged, twin = caches(block_size={block_size}, capacity={capacity} blocks)")
         implementation = self.implementation
         self.model = implementation.tiny_model(**SIZES)
-        manager = implementation.block_manager(implementation.block_pool(capacity, "lru"), block_size)
-        self.paged = implementation.paged_kv_cache(manager, self.model.config.kv_shape)
+        policy = self.conventions.pool.policies[0]
+        manager = implementation.block_manager(implementation.block_pool(capacity, policy), block_size)
+        cache = implementation.paged_kv_cache(manager, self.model.config.kv_shape)
+        expected = model.new_manager(block_size, block_pool.new_pool(capacity, policy, self.conventions.pool))
+        self.paged = self.subject("paged", model, expected, cache, snapshot=lambda: manager.snapshot())
         self.twin = implementation.contiguous_kv_cache(self.model.config.kv_shape)
-        self.spec_manager = model.new_manager(block_size, block_pool.new_pool(capacity, "lru"))
         self.chunk = st.lists(TOKENS, min_size=1, max_size=min(2 * block_size + 1, 20))
         self.decode_or_chunk = st.one_of(st.lists(TOKENS, min_size=1, max_size=1), self.chunk)
         self.copies = 0
@@ -63,10 +66,10 @@ class PagedAttentionMachine(LockstepMachine):
         self.generation: dict[int, int] = {}
 
     def live(self) -> list[int]:
-        return sorted(self.spec_manager.tables)
+        return sorted(self.paged.model.tables)
 
     def free_slots(self) -> list[int]:
-        return [seq for seq in range(SLOTS) if seq not in self.spec_manager.tables]
+        return [seq for seq in range(SLOTS) if seq not in self.paged.model.tables]
 
     def nearest_live(self, slot: int) -> int:
         """The drawn slot if it is live, else the next live one (cyclically): stable as other slots change."""
@@ -74,23 +77,17 @@ class PagedAttentionMachine(LockstepMachine):
 
     def admit(self, seq: int, tokens: Sequence[int]) -> Sequence[int] | None:
         """Add or extend ``seq`` on both sides; the positions to compute, or None if rejected."""
-        extending = seq in self.spec_manager.tables
+        extending = seq in self.paged.model.tables
         operation = "append" if extending else "add_sequence"
-        result = self.lockstep(
-            f"paged.{operation}({seq}, {list(tokens)})",
-            lambda: getattr(model, operation)(self.spec_manager, seq, tokens),
-            lambda: getattr(self.paged, operation)(seq, tokens),
-            self.paged.manager.snapshot,
-        )
-        if result is None:
+        answer = self.paged(operation, seq, list(tokens), judged_by=None)
+        if answer is None:
             return None
-        (self.spec_manager, plan), answer = result
         getattr(self.twin, operation)(seq, tokens)
         if extending:
-            self.copies += len(plan.copies)
+            self.copies += len(answer.expected.copies)
             return tokens
         self.generation[seq] = 0
-        return tokens[answer:]  # add_sequence answers how many leading tokens were cached
+        return tokens[answer.actual :]  # add_sequence answers how many leading tokens were cached
 
     def admit_and_forward(self, batch: Sequence[tuple[int, Sequence[int]]]) -> None:
         admitted = [(seq, self.admit(seq, tokens)) for seq, tokens in batch]
@@ -98,9 +95,9 @@ class PagedAttentionMachine(LockstepMachine):
         if not batch:
             return
         self.record(f"forward({batch})")
-        paged = self.model.forward(self.paged, batch)
+        paged = self.model.forward(self.paged.impl, batch)
         contiguous = self.model.forward(self.twin, batch)
-        self.check("invariant_paged_equals_contiguous", [seq for seq, _ in batch], paged, contiguous)
+        self.check(spec.invariant_paged_equals_contiguous, [seq for seq, _ in batch], paged, contiguous)
         event(f"batch of {len(batch)}, {'mixed' if len({len(t) > 1 for _, t in batch}) > 1 else 'uniform'}")
 
     @rule(data=st.data(), seqs=st.lists(SEQS, min_size=1, max_size=3, unique=True))
@@ -113,21 +110,14 @@ class PagedAttentionMachine(LockstepMachine):
         self.fork_both(parent, child)
 
     def fork_both(self, parent: int, child: int) -> bool:
-        result = self.lockstep(
-            f"paged.fork({parent}, {child})",
-            lambda: model.fork(self.spec_manager, parent, child),
-            lambda: self.paged.fork(parent, child),
-            self.paged.manager.snapshot,
-        )
-        if result is None:
+        if self.paged("fork", parent, child) is None:
             return False
-        self.spec_manager = result[0]
         self.twin.fork(parent, child)
         self.generation[child] = self.generation[parent] + 1
         self.deepest_fork = max(self.deepest_fork, self.generation[child])
         return True
 
-    @precondition(lambda self: self.spec_manager.tables)
+    @precondition(lambda self: self.paged.model.tables)
     @rule(slot=SEQS, tokens=st.lists(TOKENS, min_size=2, max_size=4))
     def parallel_sampling(self, slot: int, tokens: list[int]) -> None:
         """The parent goes on as sample 0 beside its forks: the first writer copies on write."""
@@ -135,7 +125,7 @@ class PagedAttentionMachine(LockstepMachine):
         samples = [parent] + [child for child in self.free_slots()[: len(tokens) - 1] if self.fork_both(parent, child)]
         self.admit_and_forward([(seq, [token]) for seq, token in zip(samples, tokens, strict=False)])
 
-    @precondition(lambda self: self.spec_manager.tables)
+    @precondition(lambda self: self.paged.model.tables)
     @rule(
         slots=st.lists(SEQS, min_size=1, max_size=MAX_BEAM),
         tokens=st.lists(TOKENS, min_size=MAX_BEAM, max_size=MAX_BEAM),
@@ -153,14 +143,7 @@ class PagedAttentionMachine(LockstepMachine):
         event(f"beam step: {len(children)} children of {len(set(parents))} parents")
 
     def free_both(self, seq: int) -> None:
-        result = self.lockstep(
-            f"paged.free({seq})",
-            lambda: model.free(self.spec_manager, seq),
-            lambda: self.paged.free(seq),
-            self.paged.manager.snapshot,
-        )
-        if result is not None:
-            self.spec_manager = result[0]
+        if self.paged("free", seq) is not None:
             self.twin.free(seq)
 
     @rule(seq=SEQS)
@@ -169,12 +152,7 @@ class PagedAttentionMachine(LockstepMachine):
 
     @rule(seq=SEQS, tokens=st.lists(st.sampled_from([-1, 2.5, None, "3"]), min_size=1, max_size=2))
     def append_malformed(self, seq: int, tokens: list[object]) -> None:
-        self.lockstep(
-            f"paged.append({seq}, {tokens!r})",
-            lambda: model.append(self.spec_manager, seq, tokens),
-            lambda: self.paged.append(seq, tokens),
-            self.paged.manager.snapshot,
-        )
+        self.paged("append", seq, tokens)
 
     def teardown(self) -> None:
         if hasattr(self, "paged"):  # a run can end before its initialize rule
@@ -219,4 +197,4 @@ def test_fast_decode_kernel_equals_contiguous(
         keys = key_blocks[:, table].reshape(kv_heads, -1, dim)[:, :n]
         values = value_blocks[:, table].reshape(kv_heads, -1, dim)[:, :n]
         reference = softmax_attention(queries[s], keys, values)
-        require("invariant_paged_equals_contiguous", [s], [fast[s]], [reference])
+        require(spec.invariant_paged_equals_contiguous, [s], [fast[s]], [reference])

@@ -30,16 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import attrs
 import numpy as np
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
-from kvspec.properties.harness import LockstepMachine, conformance_test
-from kvspec.spec import block_manager, block_pool
+from kvspec.properties.harness import LockstepMachine, Subject, conformance_test
+from kvspec.spec import block_manager, block_pool, paged_attention
 from kvspec.spec import prefix_cache as model
-from kvspec.spec.block_pool import POLICIES
 from kvspec.spec.paged_attention import PagedKVCache
 
 SIZES = {"vocab": 16, "d_model": 8, "heads": 2, "kv_heads": 1, "layers": 2, "mlp": 16, "seed": 7}
@@ -59,16 +57,6 @@ def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
     return first, second, third
 
 
-def move_sequences(
-    src: model.CachingManager, dst: model.CachingManager, seqs: Sequence[block_manager.SeqId]
-) -> tuple[model.CachingManager, model.CachingManager]:
-    """Layer 2's move for caching managers: the group's extra keys travel with it (its blocks arrive uncached)."""
-    src_manager, dst_manager, _ = block_manager.move_sequences(src.manager, dst.manager, seqs)
-    keys = {seq: src.extra_keys[seq] for seq in seqs}
-    src = attrs.evolve(src, manager=src_manager, extra_keys={s: k for s, k in src.extra_keys.items() if s not in keys})
-    return src, attrs.evolve(dst, manager=dst_manager, extra_keys={**dst.extra_keys, **keys})
-
-
 def forgotten(before: block_pool.Pool, after: block_pool.Pool) -> int:
     """Cached blocks whose hash an operation dropped: evictions."""
     return sum(1 for old, new in zip(before.block_hashes, after.block_hashes, strict=True) if old not in (None, new))
@@ -76,12 +64,10 @@ def forgotten(before: block_pool.Pool, after: block_pool.Pool) -> int:
 
 class PagedLifecycleMachine(LockstepMachine):
     @initialize(
-        block_size=BLOCK_SIZES,
-        slack=st.integers(-1, 2),
-        cpu_share=st.sampled_from([0.25, 0.5, 1.0]),
-        policy=st.sampled_from(POLICIES),
+        block_size=BLOCK_SIZES, slack=st.integers(-1, 2), cpu_share=st.sampled_from([0.25, 0.5, 1.0]), data=st.data()
     )
-    def start(self, block_size: int, slack: int, cpu_share: float, policy: block_pool.Policy) -> None:
+    def start(self, block_size: int, slack: int, cpu_share: float, data: st.DataObject) -> None:
+        policy = data.draw(st.sampled_from(self.conventions.pool.policies), label="policy")
         texts = documents(block_size)
         longest_prompt = len(texts[0]) + block_size
         capacity = max(block_manager.blocks_for(longest_prompt, block_size) + 1, TOKEN_BUDGET // block_size + slack)
@@ -97,10 +83,13 @@ class PagedLifecycleMachine(LockstepMachine):
             pool = implementation.block_pool(blocks, policy)
             return implementation.paged_kv_cache(implementation.prefix_caching_manager(pool, block_size), shape)
 
-        self.gpu, self.cpu = paged_cache(capacity), paged_cache(cpu_capacity)
+        def device(name: str, blocks: int) -> Subject:
+            spec = model.new_caching_manager(block_size, block_pool.new_pool(blocks, policy, self.conventions.pool))
+            cache = paged_cache(blocks)
+            return self.subject(name, model, spec, cache, snapshot=lambda: cache.manager.snapshot())
+
+        self.gpu, self.cpu = device("gpu", capacity), device("cpu", cpu_capacity)
         self.twin = implementation.contiguous_kv_cache(shape)
-        self.gpu_model = model.new_caching_manager(block_size, block_pool.new_pool(capacity, policy))
-        self.cpu_model = model.new_caching_manager(block_size, block_pool.new_pool(cpu_capacity, policy))
         self.block_size = block_size
         self.prompts = st.builds(
             lambda text, cut, new: list(text[:cut]) + new or [0],
@@ -114,7 +103,7 @@ class PagedLifecycleMachine(LockstepMachine):
     # -- where sequences are ---------------------------------------------------------
 
     def on_gpu(self) -> list[int]:
-        return sorted(self.gpu_model.manager.tables)
+        return sorted(self.gpu.model.manager.tables)
 
     def empty_slots(self) -> list[int]:
         return [seq for seq in range(SLOTS) if seq not in self.history]
@@ -124,41 +113,25 @@ class PagedLifecycleMachine(LockstepMachine):
         """The drawn slot if it is a candidate, else the next one (cyclically): stable as other slots change."""
         return min(candidates, key=lambda seq: (seq - slot) % SLOTS, default=None)
 
-    def both_managers(self) -> tuple[object, object]:
-        return self.gpu.manager.snapshot(), self.cpu.manager.snapshot()
-
     # -- the paged side, in lockstep with the spec -------------------------------------
 
     def admit(self, seq: int, tokens: Sequence[int], why: str) -> Sequence[int] | None:
         """Add or extend ``seq`` on the GPU; the positions its forward computes, or None if rejected."""
-        before = self.gpu_model.manager.pool
-        if seq in self.gpu_model.manager.tables:
-            result = self.lockstep(
-                f"gpu.append({seq}, {list(tokens)})",
-                lambda: model.append(self.gpu_model, seq, tokens),
-                lambda: self.gpu.append(seq, tokens),
-                self.gpu.manager.snapshot,
-            )
-            if result is None:
+        before = self.gpu.model.manager.pool
+        if seq in self.gpu.model.manager.tables:
+            if self.gpu("append", seq, list(tokens), judged_by=None) is None:
                 return None
-            (self.gpu_model, _), _ = result
             computed = tokens
         else:
-            result = self.lockstep(
-                f"gpu.add_sequence({seq}, {list(tokens)})",
-                lambda: model.add_sequence(self.gpu_model, seq, tokens),
-                lambda: self.gpu.add_sequence(seq, tokens),
-                self.gpu.manager.snapshot,
-            )
-            if result is None:
+            answer = self.gpu("add_sequence", seq, list(tokens), judged_by=None)
+            if answer is None:
                 return None
-            (self.gpu_model, plan), cached = result
-            size = self.block_size
-            self.check("invariant_hits_stop_at_first_miss", plan.cached_tokens // size, cached, size)
+            size, cached = self.block_size, answer.actual
+            self.check(model.invariant_hits_stop_at_first_miss, answer.expected.cached_tokens // size, cached, size)
             hits = cached // size
             event(f"{why}: hit of {hits if hits < 4 else '4+'} blocks")
             computed = tokens[cached:]
-        if forgotten(before, self.gpu_model.manager.pool):
+        if forgotten(before, self.gpu.model.manager.pool):
             event("a write evicted cached blocks")
         return computed
 
@@ -167,12 +140,12 @@ class PagedLifecycleMachine(LockstepMachine):
         if not batch:
             return
         self.record(f"gpu forward({[(seq, list(tokens)) for seq, tokens in batch]})")
-        paged = self.model.forward(self.gpu, batch)
+        paged = self.model.forward(self.gpu.impl, batch)
         expected = []
         for seq, tokens in batch:
-            end = len(self.gpu_model.manager.tokens[seq])
+            end = len(self.gpu.model.manager.tokens[seq])
             expected.append(np.stack(self.history[seq][end - len(tokens) : end]))
-        self.check("invariant_paged_equals_contiguous", [seq for seq, _ in batch], paged, expected)
+        self.check(paged_attention.invariant_paged_equals_contiguous, [seq for seq, _ in batch], paged, expected)
 
     def run_batch(self, entries: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
         """One iteration: admit or extend each entry on both sides, then one ragged forward each; who ran."""
@@ -195,16 +168,7 @@ class PagedLifecycleMachine(LockstepMachine):
         return [seq for seq, _ in paged_batch]
 
     def free_both(self, seq: int) -> bool:
-        result = self.lockstep(
-            f"gpu.free({seq})",
-            lambda: model.free(self.gpu_model, seq),
-            lambda: self.gpu.free(seq),
-            self.gpu.manager.snapshot,
-        )
-        if result is None:
-            return False
-        self.gpu_model = result[0]
-        return True
+        return self.gpu("free", seq) is not None
 
     def forget(self, seq: int) -> None:
         self.twin.free(seq)
@@ -231,14 +195,7 @@ class PagedLifecycleMachine(LockstepMachine):
             return  # every id is taken on the GPU or the CPU; a scheduler never reuses one that is swapped out
         parent = self.nearest(self.on_gpu(), parent) if self.on_gpu() else parent  # none: rejected
         child = self.nearest(self.empty_slots(), child)
-        result = self.lockstep(
-            f"gpu.fork({parent}, {child})",
-            lambda: model.fork(self.gpu_model, parent, child),
-            lambda: self.gpu.fork(parent, child),
-            self.gpu.manager.snapshot,
-        )
-        if result is not None:
-            self.gpu_model = result[0]
+        if self.gpu("fork", parent, child) is not None:
             self.twin.fork(parent, child)
             self.history[child] = list(self.history[parent])
 
@@ -254,14 +211,7 @@ class PagedLifecycleMachine(LockstepMachine):
     def swap_out(self, slots: list[int]) -> None:
         """A group leaves for the CPU, all or nothing; with nothing on the GPU the move must be rejected."""
         group = tuple(sorted({self.nearest(self.on_gpu(), slot) if self.on_gpu() else slot for slot in slots}))
-        result = self.lockstep(
-            f"gpu.move_sequences(cpu, {list(group)})",
-            lambda: move_sequences(self.gpu_model, self.cpu_model, group),
-            lambda: self.gpu.move_sequences(self.cpu, group),
-            self.both_managers,
-        )
-        if result is not None:
-            (self.gpu_model, self.cpu_model), _ = result
+        if self.gpu("move_sequences", self.cpu, group, judged_by=None) is not None:
             self.swapped.append(group)
             event(f"swap out: group of {len(group)}")
 
@@ -269,18 +219,11 @@ class PagedLifecycleMachine(LockstepMachine):
     def swap_in(self, index: int, token: int) -> None:
         """A group comes back to the GPU and decodes in the same iteration, as a scheduler resumes it."""
         group = self.swapped[index % len(self.swapped)] if self.swapped else (index,)  # none: rejected
-        before = self.gpu_model.manager.pool
-        result = self.lockstep(
-            f"cpu.move_sequences(gpu, {list(group)})",
-            lambda: move_sequences(self.cpu_model, self.gpu_model, group),
-            lambda: self.cpu.move_sequences(self.gpu, group),
-            self.both_managers,
-        )
-        if result is None:
+        before = self.gpu.model.manager.pool
+        if self.cpu("move_sequences", self.gpu, group, judged_by=None) is None:
             return
-        (self.cpu_model, self.gpu_model), _ = result
         self.swapped.remove(group)
-        if forgotten(before, self.gpu_model.manager.pool):
+        if forgotten(before, self.gpu.model.manager.pool):
             event("a swap-in evicted cached blocks")
         if self.run_batch([(seq, [token]) for seq in group]):
             event("decode after a swap round trip")
@@ -291,7 +234,7 @@ class PagedLifecycleMachine(LockstepMachine):
         seq = self.nearest(self.on_gpu(), slot)
         if seq is None:
             return
-        tokens = self.gpu_model.manager.tokens[seq]
+        tokens = self.gpu.model.manager.tokens[seq]
         if not self.free_both(seq):
             return
         computed = self.admit(seq, tokens, "recompute")

@@ -23,8 +23,8 @@ from hypothesis.stateful import initialize, invariant, rule
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import block_manager, block_pool
 from kvspec.spec import prefix_cache as model
-from kvspec.spec.block_pool import POLICIES
 from kvspec.spec.implementation import Implementation
+from kvspec.spec.invariants import invariant_result_matches_spec
 
 TOKENS = st.integers(0, 2)
 EXTRA_KEYS = st.sampled_from([None, None, "lora-a", ("tenant", 7)])
@@ -46,16 +46,19 @@ class PrefixCacheMachine(LockstepMachine):
     capacities = st.integers(2, 6)
     block_sizes = st.integers(1, 3)
 
-    @initialize(data=st.data(), policy=st.sampled_from(POLICIES))
-    def start(self, data: st.DataObject, policy: str) -> None:
+    @initialize(data=st.data())
+    def start(self, data: st.DataObject) -> None:
         capacity = data.draw(self.capacities, label="capacity")
         block_size = data.draw(self.block_sizes, label="block size")
+        policy = data.draw(st.sampled_from(self.conventions.pool.policies), label="policy")
         self.record(
             f"manager = prefix_caching_manager(capacity={capacity}, block_size={block_size}, policy={policy!r})"
         )
-        self.model = model.new_caching_manager(block_size, block_pool.new_pool(capacity, policy))
+        spec = model.new_caching_manager(block_size, block_pool.new_pool(capacity, policy, self.conventions.pool))
         pool = self.implementation.block_pool(capacity, policy)
-        self.manager = self.implementation.prefix_caching_manager(pool, block_size)
+        self.manager = self.subject(
+            "manager", model, spec, self.implementation.prefix_caching_manager(pool, block_size)
+        )
         self.block_size = block_size
         self.pairs: set[tuple[object, model.IdealKey]] = set()
         texts = documents(block_size)
@@ -70,40 +73,40 @@ class PrefixCacheMachine(LockstepMachine):
     # -- learning the hash <-> ideal key relation ------------------------------------
 
     def learn(self, tokens: tuple[int, ...], extra_key: model.ExtraKey) -> tuple[object, ...]:
-        hashes = self.manager.block_hashes(tokens, extra_key)
+        hashes = self.manager.impl.block_hashes(tokens, extra_key)
         keys = model.ideal_keys(tokens, self.block_size, extra_key)
-        self.check("invariant_result_matches_spec", len(keys), len(hashes))
+        self.check(invariant_result_matches_spec, len(keys), len(hashes))
         new = set(zip(hashes, keys, strict=True)) - self.pairs
         if new:
             self.pairs |= new
-            self.check("invariant_hash_iff_prefix", self.pairs)
+            self.check(model.invariant_hash_iff_prefix, self.pairs)
         return hashes
 
     def learn_sequence(self, seq: int) -> None:
-        if seq in self.model.manager.tokens:
-            self.learn(self.model.manager.tokens[seq], self.model.extra_keys[seq])
+        if seq in self.manager.model.manager.tokens:
+            self.learn(self.manager.model.manager.tokens[seq], self.manager.model.extra_keys[seq])
 
     # -- operations ----------------------------------------------------------------
 
-    def write(self, label: str, seq: int, spec_call, impl_call, hits_possible: bool) -> None:
+    def write(self, operation: str, seq: int, *args: object) -> None:
         before = self.manager.snapshot()
-        result = self.lockstep(label, spec_call, impl_call, self.manager.snapshot)
-        if result is None:
+        answer = self.manager(operation, seq, *args, judged_by=None)  # plans are judged piece by piece below
+        if answer is None:
             return
-        (self.model, expected), actual = result
+        expected, actual = answer.expected, answer.actual
         after = self.manager.snapshot()
         size = self.block_size
         self.learn_sequence(seq)
-        self.check("invariant_hits_stop_at_first_miss", expected.cached_tokens // size, actual.cached_tokens, size)
-        hits = after.tables[seq][: actual.cached_tokens // size] if hits_possible else ()
-        prompt = self.model.manager.tokens[seq]
-        self.check("invariant_hit_is_exact_prefix", before.pool, after.contents, hits, prompt, size)
-        self.check("invariant_copy_on_write_exact", expected.copies, actual.copies)
+        self.check(model.invariant_hits_stop_at_first_miss, expected.cached_tokens // size, actual.cached_tokens, size)
+        hits = after.tables[seq][: actual.cached_tokens // size] if operation == "add_sequence" else ()
+        prompt = self.manager.model.manager.tokens[seq]
+        self.check(model.invariant_hit_is_exact_prefix, before.pool, after.contents, hits, prompt, size)
+        self.check(block_manager.invariant_copy_on_write_exact, expected.copies, actual.copies)
         allocated = [
             b for b, r in enumerate(before.pool.refcounts) if r == 0 < after.pool.refcounts[b] and b not in hits
         ]
         allocated += [copy for _, copy in actual.copies]
-        self.check("invariant_evicts_only_what_is_needed", before.pool, after.pool, allocated)
+        self.check(model.invariant_evicts_only_what_is_needed, before.pool, after.pool, allocated)
         event("prefix hit" if actual.cached_tokens else "no hit")
 
     @rule(seq=SEQS, data=st.data(), extra_key=EXTRA_KEYS)
@@ -113,74 +116,36 @@ class PrefixCacheMachine(LockstepMachine):
     def admit(self, seq: int, prompt: list[int], extra_key: model.ExtraKey) -> None:
         """What a scheduler does: ask what is cached (changing nothing), then add the sequence."""
         self.query_cached_prefix(prompt, extra_key)
-        self.write(
-            f"manager.add_sequence({seq}, {prompt}, extra_key={extra_key!r})",
-            seq,
-            lambda: model.add_sequence(self.model, seq, prompt, extra_key),
-            lambda: self.manager.add_sequence(seq, prompt, extra_key),
-            hits_possible=True,
-        )
+        self.write("add_sequence", seq, prompt, extra_key)
 
     @rule(seq=SEQS, data=st.data())
     def append(self, seq: int, data: st.DataObject) -> None:
-        self.extend(seq, data.draw(self.new_tokens, label="tokens"))
-
-    def extend(self, seq: int, tokens: list[object]) -> None:
-        self.write(
-            f"manager.append({seq}, {tokens!r})",
-            seq,
-            lambda: model.append(self.model, seq, tokens),
-            lambda: self.manager.append(seq, tokens),
-            hits_possible=False,
-        )
+        self.write("append", seq, data.draw(self.new_tokens, label="tokens"))
 
     @rule(data=st.data(), extra_key=EXTRA_KEYS)
     def serve_request(self, data: st.DataObject, extra_key: model.ExtraKey) -> None:
         """A whole request: look up, admit, decode, finish -- its full blocks stay cached in the free queue."""
         self.admit(REQUEST, data.draw(self.prompts, label="prompt"), extra_key)
-        self.extend(REQUEST, data.draw(self.new_tokens, label="decoded"))
-        self.release(REQUEST)
+        self.write("append", REQUEST, data.draw(self.new_tokens, label="decoded"))
+        self.manager("free", REQUEST)
 
     @rule(seq=SEQS, append=st.booleans(), data=st.data())
     def malformed(self, seq: int, append: bool, data: st.DataObject) -> None:
         """An add or append with tokens that are not token ids, or an extra key that is not hashable data."""
         tokens = data.draw(st.lists(st.one_of(TOKENS, NOT_TOKENS), max_size=3), label="tokens")
         if append:
-            self.extend(seq, tokens)
+            self.write("append", seq, tokens)
             return
         extra_key = data.draw(st.one_of(EXTRA_KEYS, NOT_EXTRA_KEYS), label="extra key")
-        self.write(
-            f"manager.add_sequence({seq}, {tokens!r}, extra_key={extra_key!r})",
-            seq,
-            lambda: model.add_sequence(self.model, seq, tokens, extra_key),
-            lambda: self.manager.add_sequence(seq, tokens, extra_key),
-            hits_possible=True,
-        )
+        self.write("add_sequence", seq, tokens, extra_key)
 
     @rule(parent=SEQS, child=SEQS)
     def fork(self, parent: int, child: int) -> None:
-        result = self.lockstep(
-            f"manager.fork({parent}, {child})",
-            lambda: model.fork(self.model, parent, child),
-            lambda: self.manager.fork(parent, child),
-            self.manager.snapshot,
-        )
-        if result is not None:
-            self.model = result[0]
+        self.manager("fork", parent, child)
 
     @rule(seq=SEQS)
     def free(self, seq: int) -> None:
-        self.release(seq)
-
-    def release(self, seq: int) -> None:
-        result = self.lockstep(
-            f"manager.free({seq})",
-            lambda: model.free(self.model, seq),
-            lambda: self.manager.free(seq),
-            self.manager.snapshot,
-        )
-        if result is not None:
-            self.model = result[0]
+        self.manager("free", seq)
 
     @rule(data=st.data(), extra_key=EXTRA_KEYS)
     def lookup(self, data: st.DataObject, extra_key: model.ExtraKey) -> None:
@@ -189,36 +154,23 @@ class PrefixCacheMachine(LockstepMachine):
     def query_cached_prefix(self, tokens: list[int], extra_key: model.ExtraKey) -> None:
         """What a scheduler asks before admitting (vLLM's get_computed_blocks): it must change nothing."""
         before = self.manager.snapshot()
-        result = self.lockstep(
-            f"manager.cached_prefix({tokens}, extra_key={extra_key!r})",
-            lambda: model.cached_prefix(self.model, tokens, extra_key),
-            lambda: self.manager.cached_prefix(tokens, extra_key),
-            self.manager.snapshot,
-        )
-        if result is None:
+        answer = self.manager("cached_prefix", tokens, extra_key, judged_by=None)
+        if answer is None:
             return
-        expected, actual = result
         size = self.block_size
         self.learn(tuple(tokens), extra_key)
-        self.check("invariant_hits_stop_at_first_miss", len(expected), len(actual) * size, size)
-        self.check("invariant_hit_is_exact_prefix", before.pool, before.contents, actual, tokens, size)
-        free_queue = model.abstract(self.model).pool.free_queue  # a lookup is not a use: no block moves
-        self.check("invariant_eviction_order", free_queue, self.manager.snapshot().pool.free_queue)
+        self.check(model.invariant_hits_stop_at_first_miss, len(answer.expected), len(answer.actual) * size, size)
+        self.check(model.invariant_hit_is_exact_prefix, before.pool, before.contents, answer.actual, tokens, size)
+        free_queue = model.abstract(self.manager.model).pool.free_queue  # a lookup is not a use: no block moves
+        self.check(block_pool.invariant_eviction_order, free_queue, self.manager.snapshot().pool.free_queue)
 
     @rule(n=st.integers(-1, 3))
     def evict(self, n: int) -> None:
         before = self.manager.snapshot()
-        result = self.lockstep(
-            f"manager.evict({n})",
-            lambda: model.evict(self.model, n),
-            lambda: self.manager.evict(n),
-            self.manager.snapshot,
-        )
-        if result is None:
-            return
-        (self.model, expected), actual = result
-        self.check("invariant_in_use_never_reclaimed", before.pool, self.manager.snapshot().pool, actual)
-        self.check("invariant_eviction_order", expected, actual)
+        answer = self.manager("evict", n, judged_by=block_pool.invariant_eviction_order)
+        if answer is not None:
+            after = self.manager.snapshot().pool
+            self.check(block_pool.invariant_in_use_never_reclaimed, before.pool, after, answer.actual)
 
     @rule(data=st.data(), extra_key=EXTRA_KEYS, other_key=EXTRA_KEYS)
     def probe_hash_chain(self, data: st.DataObject, extra_key: model.ExtraKey, other_key: model.ExtraKey) -> None:
@@ -231,35 +183,27 @@ class PrefixCacheMachine(LockstepMachine):
         self.record(f"manager.block_hashes({tokens}) vs token {position} -> {changed[position]}, vs {other_key!r}")
         original = self.learn(tuple(tokens), extra_key)
         altered = self.learn(tuple(changed), extra_key)
-        self.check("invariant_hash_change_propagates", original, altered, position // size)
+        self.check(model.invariant_hash_change_propagates, original, altered, position // size)
         self.learn(tuple(tokens), other_key)
 
     # -- after every step ----------------------------------------------------------
 
     @invariant()
     def matches_spec(self) -> None:
-        if not hasattr(self, "model"):
+        if not hasattr(self, "manager"):
             return
         state = self.manager.snapshot()
-        expected = model.abstract(self.model)
-        holders = block_manager.holders(state.tables)
-        self.check("invariant_capacity_conserved", state.pool)
-        self.check("invariant_free_queue_exact", state.pool)
-        self.check("invariant_no_leak", state.pool, holders)
-        self.check("invariant_refcount_matches_holders", state.pool, holders)
-        self.check("invariant_hash_map_consistent", state.pool)
-        self.check("invariant_eviction_order", expected.pool.free_queue, state.pool.free_queue)
-        for seq, tokens in self.model.manager.tokens.items():
-            self.check("invariant_reuse_preserves_read_back", seq, self.manager.read(seq), tokens)
-        self.check("invariant_read_back_exact", state)
-        self.check("invariant_waste_bounded", state)
-        self.check("invariant_table_length_exact", state)
+        expected = model.abstract(self.manager.model)
+        self.check_group(block_manager.STATE, state)
+        self.check(block_pool.invariant_eviction_order, expected.pool.free_queue, state.pool.free_queue)
+        for seq, tokens in self.manager.model.manager.tokens.items():
+            self.check(model.invariant_reuse_preserves_read_back, seq, self.manager.impl.read(seq), tokens)
         rename = {block_hash: key for block_hash, key in self.pairs}
-        self.check("invariant_manager_refines_spec", model.rename_hashes(state, rename), expected)
+        self.check(block_manager.invariant_manager_refines_spec, model.rename_hashes(state, rename), expected)
 
     def teardown(self) -> None:
-        if hasattr(self, "model"):
-            cached = sum(1 for h in self.model.manager.pool.block_hashes if h is not None)
+        if hasattr(self, "manager"):
+            cached = sum(1 for h in self.manager.model.manager.pool.block_hashes if h is not None)
             event(f"cached blocks at the end: {min(cached, 4)}{'+' if cached >= 4 else ''}")
         super().teardown()
 

@@ -25,18 +25,6 @@ from kvspec.spec import scheduler as model
 from kvspec.spec.errors import RequestTooLarge
 from kvspec.spec.scheduler import Preemption, Request, SchedulerConfig, SchedulerState, StepReport
 
-MANAGER_INVARIANTS = ("invariant_read_back_exact", "invariant_table_length_exact", "invariant_waste_bounded")
-POOL_INVARIANTS = ("invariant_capacity_conserved", "invariant_free_queue_exact")
-HOLDER_INVARIANTS = ("invariant_no_leak", "invariant_refcount_matches_holders")
-STATE_INVARIANTS = (
-    "invariant_memory_never_overcommitted",
-    "invariant_no_leak_across_preemption",
-    "invariant_group_on_one_device",
-    "invariant_swap_restores_contents",
-    "invariant_recompute_restores_tokens",
-)
-
-
 SIZES = {
     "gpu_blocks": st.integers(3, 8),
     "cpu_blocks": st.integers(1, 6),
@@ -56,11 +44,12 @@ class SchedulerMachineBase(LockstepMachine):
         self.config = SchedulerConfig(preemption=self.preemption, watermark=watermark)
         self.record(f"scheduler(gpu_blocks={gpu_blocks}, cpu_blocks={cpu_blocks}, B={block_size}, {self.config})")
         impl = self.implementation
-        self.scheduler = impl.scheduler(
+        scheduler = impl.scheduler(
             impl.block_manager(impl.block_pool(gpu_blocks, "lru"), block_size),
             impl.block_manager(impl.block_pool(cpu_blocks, "lru"), block_size),
             self.config,
         )
+        self.scheduler = self.subject("scheduler", None, None, scheduler)
         self.sizes = (gpu_blocks, cpu_blocks, block_size)
         self.next_id = 0
         self.arrivals: dict[int, tuple[int, int]] = {}  # request -> (step it arrived after, unfinished then)
@@ -83,27 +72,17 @@ class SchedulerMachineBase(LockstepMachine):
         event("arrival accepted")
 
     def stepped(self, before: SchedulerState, report: StepReport) -> None:
-        after = self.scheduler.snapshot()
+        after = self.scheduler.impl.snapshot()
         self.check_state(after)
-        self.check("invariant_oldest_never_preempted", before, report)
-        self.check("invariant_admission_in_arrival_order", after, report)
+        self.check(model.invariant_oldest_never_preempted, before, report)
+        self.check(model.invariant_admission_in_arrival_order, after, report)
         for _, how in report.preempted:
             event(f"preempted by {how}")
         self.preemptions += len(report.preempted)
 
     def check_state(self, state: SchedulerState) -> None:
-        for manager in (state.gpu, state.cpu):
-            holders = block_manager.holders(manager.tables)
-            for name in MANAGER_INVARIANTS:
-                self.check(name, manager)
-            for name in POOL_INVARIANTS:
-                self.check(name, manager.pool)
-            for name in HOLDER_INVARIANTS:
-                self.check(name, manager.pool, holders)
-        for name in STATE_INVARIANTS:
-            self.check(name, state)
         deadlines = {rid: model.deadline(after, k, self.longest) for rid, (after, k) in self.arrivals.items()}
-        self.check("invariant_finishes_within_bound", state, deadlines)
+        self.check_group(model.STATE, state, deadlines)
 
     def teardown(self) -> None:
         if hasattr(self, "scheduler"):
@@ -118,25 +97,16 @@ class SchedulerMachine(SchedulerMachineBase):
     @initialize(**SIZES)
     def start(self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int) -> None:
         super().start(gpu_blocks, cpu_blocks, block_size, watermark)
-        self.model = model.new_model(
+        self.scheduler.spec = model
+        self.scheduler.model = model.new_model(
             block_manager.new_manager(block_size, block_pool.new_pool(gpu_blocks)),
             block_manager.new_manager(block_size, block_pool.new_pool(cpu_blocks)),
             self.config,
         )
 
     def arrive(self, request: Request) -> None:
-        label = (
-            f"arrive(id={request.request_id}, prompt={request.prompt}, max_new={request.max_new_tokens}, n={request.n})"
-        )
-        result = self.lockstep(
-            label,
-            lambda: model.arrive(self.model, request),
-            lambda: self.scheduler.arrive(request),
-            self.scheduler.snapshot,
-        )
-        if result is not None:
-            self.model = result[0]
-            self.accepted(request, model.abstract(self.model))
+        if self.scheduler("arrive", request) is not None:
+            self.accepted(request, model.abstract(self.scheduler.model))
 
     @rule(data=st.data(), then_steps=st.integers(0, 3))
     def arrive_request(self, data: st.DataObject, then_steps: int) -> None:
@@ -151,7 +121,7 @@ class SchedulerMachine(SchedulerMachineBase):
         n=st.integers(0, 2),
     )
     def arrive_malformed(self, request_id: int, prompt: list[int], max_new_tokens: int, n: int) -> None:
-        """Duplicate ids, empty prompts, zero outputs or samples: all rejected, nothing changes."""
+        """Duplicate ids, empty prompts, zero outputs or samples: all out of contract."""
         self.arrive(Request(request_id, tuple(prompt), max_new_tokens, n))
 
     @rule(count=st.integers(1, 6))
@@ -160,35 +130,25 @@ class SchedulerMachine(SchedulerMachineBase):
 
     def step(self, count: int) -> None:
         for _ in range(count):
-            before = self.scheduler.snapshot()
-            result = self.lockstep(
-                "step()", lambda: model.step(self.model), self.scheduler.step, self.scheduler.snapshot
-            )
-            if result is None:
+            before = self.scheduler.impl.snapshot()
+            answer = self.scheduler("step")
+            if answer is None:
                 return
-            (self.model, expected), actual = result
-            self.stepped(before, actual)
-            self.check("invariant_result_matches_spec", expected, actual)
-            self.check("invariant_scheduler_refines_spec", self.scheduler.snapshot(), model.abstract(self.model))
+            self.stepped(before, answer.actual)
+            expected = model.abstract(self.scheduler.model)
+            self.check(model.invariant_scheduler_refines_spec, self.scheduler.impl.snapshot(), expected)
 
     @rule(request_id=st.integers(0, 12))
     def abort(self, request_id: int) -> None:
-        result = self.lockstep(
-            f"abort({request_id})",
-            lambda: model.abort(self.model, request_id),
-            lambda: self.scheduler.abort(request_id),
-            self.scheduler.snapshot,
-        )
-        if result is not None:
-            self.model = result[0]
+        if self.scheduler("abort", request_id) is not None:
             del self.arrivals[request_id]
 
     @invariant()
     def matches_model(self) -> None:
-        if hasattr(self, "model"):
-            state = self.scheduler.snapshot()
+        if hasattr(self, "scheduler"):
+            state = self.scheduler.impl.snapshot()
             self.check_state(state)
-            self.check("invariant_scheduler_refines_spec", state, model.abstract(self.model))
+            self.check(model.invariant_scheduler_refines_spec, state, model.abstract(self.scheduler.model))
 
 
 class SwapSchedulerMachine(SchedulerMachine):
@@ -204,12 +164,9 @@ class DeadlockFreedomMachine(SchedulerMachineBase):
     @rule(data=st.data(), then_steps=st.integers(0, 3))
     def arrive_request(self, data: st.DataObject, then_steps: int) -> None:
         request = self.draw_request(data)
-        self.record(
-            f"arrive(id={request.request_id}, prompt={request.prompt}, max_new={request.max_new_tokens}, n={request.n})"
-        )
         try:
-            self.scheduler.arrive(request)
-            self.accepted(request, self.scheduler.snapshot())
+            self.scheduler("arrive", request)
+            self.accepted(request, self.scheduler.impl.snapshot())
         except RequestTooLarge:
             event("arrive rejected with RequestTooLarge")
         self.step(then_steps)
@@ -219,11 +176,9 @@ class DeadlockFreedomMachine(SchedulerMachineBase):
         self.step(count)
 
     def step(self, count: int) -> None:
-        if count:
-            self.record(f"step() x {count}")
         for _ in range(count):
-            before = self.scheduler.snapshot()
-            self.stepped(before, self.scheduler.step())
+            before = self.scheduler.impl.snapshot()
+            self.stepped(before, self.scheduler("step").actual)
 
 
 TestSchedulerRecompute = conformance_test(SchedulerMachine)

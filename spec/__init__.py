@@ -10,5 +10,7 @@ Read in this order:
 * ``kvspec.spec.radix_cache`` -- layer 3, second form: RadixAttention and its agreement with the hashes.
 * ``kvspec.spec.scheduler`` -- layer 4: FCFS iteration-level scheduling, preemption, deadlock bound.
 * ``kvspec.spec.paged_attention`` -- layer 5: paged KV storage, blockwise attention, paged = contiguous logits.
+* ``kvspec.spec.contiguous`` -- layer 6: contiguous allocators (reserve-max, reserve-exact, buddy), the fragmentation ledger.
+* ``kvspec.spec.kv_store`` -- layer 7: the tiered KV store across nodes; node faults; Mooncake's pool.
 * ``kvspec.spec.implementation`` -- what an implementation under test provides.
 """

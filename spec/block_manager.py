@@ -33,16 +33,16 @@ another sequence's token.
 Invariants (checked after every step; the pool's invariants also hold, with
 the holders of a block being the table entries that name it):
 
-* ``invariant_read_back_exact`` -- reading through the table yields the tokens.
-* ``invariant_waste_bounded`` -- at most B-1 unused slots per sequence.
-* ``invariant_table_length_exact`` -- len(table) = ceil(len(tokens) / B).
-* ``invariant_fork_allocates_nothing`` -- a fork shares and never allocates.
-* ``invariant_copy_on_write_exact`` -- a write copies iff it lands in a
+* ``invariant_read_back_exact`` [safety] -- reading through the table yields the tokens.
+* ``invariant_waste_bounded`` [safety] -- at most B-1 unused slots per sequence.
+* ``invariant_table_length_exact`` [safety] -- len(table) = ceil(len(tokens) / B).
+* ``invariant_fork_allocates_nothing`` [safety] -- a fork shares and never allocates.
+* ``invariant_copy_on_write_exact`` [convention] -- a write copies iff it lands in a
   shared, partially filled block, and then exactly once.
-* ``invariant_parallel_sampling_copies`` -- n sequences sharing a half-full
+* ``invariant_parallel_sampling_copies`` [convention] -- n sequences sharing a half-full
   last block make n-1 copies between them, none if the prompt fills whole
   blocks (lecture exercise 4).
-* ``invariant_manager_refines_spec`` -- the implementation is in the model's state.
+* ``invariant_manager_refines_spec`` [convention] -- the implementation is in the model's state.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import attrs
 from kvspec.spec import block_pool
 from kvspec.spec.block_pool import Pool, PoolState
 from kvspec.spec.errors import InvalidOperation
-from kvspec.spec.invariants import diff_states, invariant
+from kvspec.spec.invariants import Group, diff_states, invariant
 
 SeqId = Hashable
 
@@ -258,7 +258,8 @@ def free(manager: Manager, seq: SeqId) -> Manager:
 
 def read(manager: Manager, seq: SeqId) -> tuple[int, ...]:
     require_live(manager, seq)
-    return read_through_table(manager.contents, manager.tables[seq], len(manager.tokens[seq]), manager.block_size)
+    table, size = manager.tables[seq], manager.block_size
+    return tuple(manager.contents[table[i // size]][i % size] for i in range(len(manager.tokens[seq])))
 
 
 def read_through_table(
@@ -312,7 +313,10 @@ def move_sequences(
 # -- invariants over snapshots ---------------------------------------------------
 
 
-@invariant("a sequence must read back exactly its own tokens; anything else is another sequence's data (CoW isolation)")
+@invariant(
+    "a sequence must read back exactly its own tokens; anything else is another sequence's data (CoW isolation)",
+    "safety",
+)
 def invariant_read_back_exact(state: ManagerState) -> str | None:
     for seq, tokens in state.tokens.items():
         got = read_through_table(state.contents, state.tables.get(seq, ()), len(tokens), state.block_size)
@@ -321,7 +325,10 @@ def invariant_read_back_exact(state: ManagerState) -> str | None:
     return None
 
 
-@invariant("paging promises waste only in the last block: at most B-1 unused slots per sequence")
+@invariant(
+    "paging promises waste only in the last block: at most B-1 unused slots per sequence",
+    "safety",
+)
 def invariant_waste_bounded(state: ManagerState) -> str | None:
     for seq, tokens in state.tokens.items():
         waste = len(state.tables.get(seq, ())) * state.block_size - len(tokens)
@@ -330,7 +337,10 @@ def invariant_waste_bounded(state: ManagerState) -> str | None:
     return None
 
 
-@invariant("on-demand allocation: a sequence holds exactly the blocks its tokens need, no reservation")
+@invariant(
+    "on-demand allocation: a sequence holds exactly the blocks its tokens need, no reservation",
+    "safety",
+)
 def invariant_table_length_exact(state: ManagerState) -> str | None:
     for seq, tokens in state.tokens.items():
         table = state.tables.get(seq, ())
@@ -341,7 +351,10 @@ def invariant_table_length_exact(state: ManagerState) -> str | None:
     return None
 
 
-@invariant("forking is what makes parallel sampling and beam search cheap: it must share, not allocate")
+@invariant(
+    "forking is what makes parallel sampling and beam search cheap: it must share, not allocate",
+    "safety",
+)
 def invariant_fork_allocates_nothing(
     before: ManagerState, after: ManagerState, parent: SeqId, child: SeqId
 ) -> str | None:
@@ -352,14 +365,20 @@ def invariant_fork_allocates_nothing(
     return None
 
 
-@invariant("a copy is needed only to write into a shared partial block; more wastes memory, fewer corrupts a sibling")
+@invariant(
+    "a copy is needed only to write into a shared partial block; more wastes memory, fewer corrupts a sibling",
+    "convention",
+)
 def invariant_copy_on_write_exact(expected: Sequence[tuple[int, int]], actual: Sequence[tuple[int, int]]) -> str | None:
     if len(expected) != len(actual):
         return f"the write needed {len(expected)} copy-on-write copies, the implementation made {len(actual)}"
     return None
 
 
-@invariant("lecture exercise 4: n samples sharing a half-full block copy it n-1 times, never when blocks are full")
+@invariant(
+    "lecture exercise 4: n samples sharing a half-full block copy it n-1 times, never when blocks are full",
+    "convention",
+)
 def invariant_parallel_sampling_copies(n: int, prompt_len: int, block_size: int, copies: int) -> str | None:
     expected = n - 1 if prompt_len % block_size else 0
     if copies != expected:
@@ -367,8 +386,17 @@ def invariant_parallel_sampling_copies(n: int, prompt_len: int, block_size: int,
     return None
 
 
-@invariant("the implementation must be in exactly the state the specification model predicts")
+@invariant(
+    "the implementation must be in exactly the state the model of its declared conventions predicts",
+    "convention",
+)
 def invariant_manager_refines_spec(actual: ManagerState, expected: ManagerState) -> str | None:
     if actual != expected:
         return diff_states(actual, expected)
     return None
+
+
+STATE = Group((invariant_read_back_exact, invariant_waste_bounded, invariant_table_length_exact)).including(
+    block_pool.STATE, lambda state: (state.pool, holders(state.tables))
+)
+"""Every safety rule over a manager's snapshot, its pool's included (the table entries hold the blocks)."""

@@ -15,14 +15,24 @@ Rules (vLLM §4.1-4.2, lecture §4; vLLM v1 ``BlockPool`` is the model):
   shared only if it is cached (a prefix-cache hit, vLLM's ``touch``): it
   leaves the free queue and is in use again.
 * ``release(blocks)`` drops one reference from each block, in the order
-  given; a block whose count reaches zero enters the queue's tail.  Managers
+  given; a block whose count reaches zero enters the free queue.  Managers
   release a sequence's table last block first, so that a sequence's last
   blocks -- the least likely to be shared by a later prompt -- are evicted first.
-* ``register(block, hash)`` caches an in-use full block under a hash.  The
-  hash map is injective: if the hash already names a block, the new block
-  stays uncached (``register`` answers False).  ``lookup(hash)`` names the
-  cached block, in use or free.  ``evict(n)`` forgets the hashes of up to
-  ``n`` free cached blocks, in eviction order.
+* ``register(block, hash)`` caches an in-use full block under a hash.
+  ``lookup(hash)`` names the cached block, in use or free (of several, the
+  one registered first).  ``evict(n)`` forgets the hashes of up to ``n`` free
+  cached blocks, in eviction order.
+
+Conventions (``spec.conventions.PoolConventions``; the reference's first):
+
+* ``unhashed_free_position`` -- a block reaching count zero enters the queue's
+  tail; under ``head`` one that carries no hash enters the head instead
+  (those of one ``release`` in the order released, ahead of every block
+  already queued), so cached blocks are kept longer.
+* ``duplicate_hash`` -- under ``refuse`` a hash already cached leaves the new
+  block uncached (``register`` answers False); under ``keep`` both blocks
+  carry it (``register`` answers True) and the map lists both.
+* ``policies`` -- the eviction policies the engine offers.
 
 Eviction order is the policy's: ``lru`` is the queue's own order (released
 earliest, evicted first); ``lfu`` evicts the fewest-used block first and
@@ -34,34 +44,37 @@ functions that return a new ``Pool``; an implementation's ``snapshot()``
 returns a ``PoolState``, the abstraction both are compared through, and the
 invariants are predicates over ``PoolState``.
 
-Invariants (checked after every step by ``kvspec.properties.machines``):
+Invariants (tier in brackets; ``STATE`` groups those over a snapshot and
+its holders, which every machine with a pool checks):
 
-* ``invariant_free_queue_exact`` -- the free queue holds exactly the blocks of
-  reference count zero, once each.
-* ``invariant_capacity_conserved`` -- used + free = capacity.
-* ``invariant_no_leak`` -- every block in use has a holder.
-* ``invariant_refcount_matches_holders`` -- each count equals its references.
-* ``invariant_hash_map_consistent`` -- the hash map is injective and names
-  only blocks that carry that hash.
-* ``invariant_in_use_never_reclaimed`` -- allocation and eviction touch only
-  free blocks.
-* ``invariant_eviction_order`` -- allocation and eviction follow the policy.
-* ``invariant_pool_refines_spec`` -- the implementation's state is the model's.
+* ``invariant_free_queue_exact`` [safety] -- the free queue holds exactly the
+  blocks of reference count zero, once each.
+* ``invariant_capacity_conserved`` [safety] -- used + free = capacity.
+* ``invariant_no_leak`` [safety] -- every block in use has a holder.
+* ``invariant_refcount_matches_holders`` [safety] -- each count equals its references.
+* ``invariant_hash_map_consistent`` [safety] -- the hash map names exactly the
+  blocks that carry each hash, each once.
+* ``invariant_counts_match_snapshot`` [safety] -- ``num_free()`` and
+  ``refcount()`` tell what ``snapshot()`` shows.
+* ``invariant_in_use_never_reclaimed`` [safety] -- allocation and eviction
+  touch only free blocks, each once.
+* ``invariant_eviction_order`` [convention] -- allocation and eviction follow the policy.
+* ``invariant_pool_refines_spec`` [convention] -- the implementation's state is the model's.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import attrs
 
+from kvspec.spec.conventions import POLICIES as POLICIES
+from kvspec.spec.conventions import REFERENCE, PoolConventions
+from kvspec.spec.conventions import Policy as Policy
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
-from kvspec.spec.invariants import diff_states, invariant
-
-Policy = Literal["lru", "lfu"]
-POLICIES: tuple[Policy, ...] = ("lru", "lfu")
+from kvspec.spec.invariants import Group, diff_states, invariant
 
 
 @attrs.frozen
@@ -72,7 +85,7 @@ class PoolState:
     refcounts: tuple[int, ...]
     free_queue: tuple[int, ...]  # in eviction order: the head is handed out first
     block_hashes: tuple[Hashable | None, ...]
-    cached: Mapping[Hashable, int]  # hash -> block
+    cached: Mapping[Hashable, tuple[int, ...]]  # hash -> the blocks carrying it, first registered first
 
     @property
     def num_free(self) -> int:
@@ -101,17 +114,19 @@ class BlockPool(Protocol):
 
 @attrs.frozen
 class Pool:
-    """The spec's model of a pool.  ``lru`` keeps free blocks in release order."""
+    """The spec's model of a pool.  ``lru`` keeps free blocks in queue order."""
 
     capacity: int
     policy: Policy
     refcounts: tuple[int, ...]
     lru: tuple[int, ...]
     block_hashes: tuple[Hashable | None, ...]
+    cached: Mapping[Hashable, tuple[int, ...]]
     uses: tuple[int, ...]
+    conventions: PoolConventions = REFERENCE.pool
 
 
-def new_pool(capacity: int, policy: Policy = "lru") -> Pool:
+def new_pool(capacity: int, policy: Policy = "lru", conventions: PoolConventions = REFERENCE.pool) -> Pool:
     """A pool whose blocks are all free, queued in block order."""
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
         raise InvalidOperation(f"pool capacity must be a positive int, got {capacity!r}")
@@ -123,7 +138,9 @@ def new_pool(capacity: int, policy: Policy = "lru") -> Pool:
         refcounts=(0,) * capacity,
         lru=tuple(range(capacity)),
         block_hashes=(None,) * capacity,
+        cached={},
         uses=(0,) * capacity,
+        conventions=conventions,
     )
 
 
@@ -136,13 +153,12 @@ def eviction_order(pool: Pool) -> tuple[int, ...]:
 
 def abstract(pool: Pool) -> PoolState:
     """The abstraction of the model, comparable with an implementation's snapshot."""
-    cached = {h: b for b, h in enumerate(pool.block_hashes) if h is not None}
     return PoolState(
         capacity=pool.capacity,
         refcounts=pool.refcounts,
         free_queue=eviction_order(pool),
         block_hashes=pool.block_hashes,
-        cached=cached,
+        cached=dict(pool.cached),
     )
 
 
@@ -150,6 +166,19 @@ def _check_blocks(pool: Pool, blocks: Iterable[int]) -> None:
     for block in blocks:
         if not isinstance(block, int) or isinstance(block, bool) or not 0 <= block < pool.capacity:
             raise InvalidOperation(f"block {block!r} is not a block of this pool (0..{pool.capacity - 1})")
+
+
+def _forget(pool: Pool, blocks: Iterable[int]) -> Pool:
+    """The pool with the hashes of ``blocks`` forgotten."""
+    hashes, cached = list(pool.block_hashes), dict(pool.cached)
+    for block in blocks:
+        block_hash = hashes[block]
+        if block_hash is not None:
+            hashes[block] = None
+            cached[block_hash] = tuple(b for b in cached[block_hash] if b != block)
+            if not cached[block_hash]:
+                del cached[block_hash]
+    return attrs.evolve(pool, block_hashes=tuple(hashes), cached=cached)
 
 
 def allocate(pool: Pool, n: int) -> tuple[Pool, tuple[int, ...]]:
@@ -160,14 +189,14 @@ def allocate(pool: Pool, n: int) -> tuple[Pool, tuple[int, ...]]:
         raise OutOfBlocks(n, len(pool.lru))
     taken = eviction_order(pool)[:n]
     chosen = set(taken)
-    refcounts, hashes, uses = list(pool.refcounts), list(pool.block_hashes), list(pool.uses)
+    pool = _forget(pool, taken)
+    refcounts, uses = list(pool.refcounts), list(pool.uses)
     for block in taken:
-        refcounts[block], hashes[block], uses[block] = 1, None, 1
+        refcounts[block], uses[block] = 1, 1
     pool = attrs.evolve(
         pool,
         refcounts=tuple(refcounts),
         lru=tuple(b for b in pool.lru if b not in chosen),
-        block_hashes=tuple(hashes),
         uses=tuple(uses),
     )
     return pool, taken
@@ -193,7 +222,7 @@ def share(pool: Pool, blocks: Sequence[int]) -> Pool:
 
 
 def release(pool: Pool, blocks: Sequence[int]) -> Pool:
-    """One reference fewer on each block; blocks reaching zero join the queue's tail."""
+    """One reference fewer on each block; blocks reaching zero join the queue where the conventions say."""
     _check_blocks(pool, blocks)
     for block, times in Counter(blocks).items():
         if pool.refcounts[block] < times:
@@ -205,11 +234,15 @@ def release(pool: Pool, blocks: Sequence[int]) -> Pool:
         refcounts[block] -= 1
         if refcounts[block] == 0:
             freed.append(block)
-    return attrs.evolve(pool, refcounts=tuple(refcounts), lru=pool.lru + tuple(freed))
+    to_head: tuple[int, ...] = ()
+    if pool.conventions.unhashed_free_position == "head":
+        to_head = tuple(b for b in freed if pool.block_hashes[b] is None)
+    to_tail = tuple(b for b in freed if b not in to_head)
+    return attrs.evolve(pool, refcounts=tuple(refcounts), lru=to_head + pool.lru + to_tail)
 
 
 def register(pool: Pool, block: int, block_hash: Hashable) -> tuple[Pool, bool]:
-    """Cache an in-use, unhashed block under ``block_hash`` unless the hash is taken."""
+    """Cache an in-use, unhashed block under ``block_hash``; a hash already cached per the conventions."""
     _check_blocks(pool, [block])
     if block_hash is None:
         raise InvalidOperation("None is not a block hash")
@@ -217,19 +250,18 @@ def register(pool: Pool, block: int, block_hash: Hashable) -> tuple[Pool, bool]:
         raise InvalidOperation(f"block {block} is free: only a block in use can be registered")
     if pool.block_hashes[block] is not None:
         raise InvalidOperation(f"block {block} is already registered")
-    if block_hash in pool.block_hashes:
+    if block_hash in pool.cached and pool.conventions.duplicate_hash == "refuse":
         return pool, False
     hashes = list(pool.block_hashes)
     hashes[block] = block_hash
-    return attrs.evolve(pool, block_hashes=tuple(hashes)), True
+    cached = {**pool.cached, block_hash: pool.cached.get(block_hash, ()) + (block,)}
+    return attrs.evolve(pool, block_hashes=tuple(hashes), cached=cached), True
 
 
 def lookup(pool: Pool, block_hash: Hashable) -> int | None:
-    """The block cached under ``block_hash``, in use or free, if any."""
-    for block, h in enumerate(pool.block_hashes):
-        if h is not None and h == block_hash:
-            return block
-    return None
+    """The block cached under ``block_hash``, in use or free, if any; of several, the first registered."""
+    blocks = pool.cached.get(block_hash, ())
+    return blocks[0] if blocks else None
 
 
 def evict(pool: Pool, n: int) -> tuple[Pool, tuple[int, ...]]:
@@ -237,16 +269,15 @@ def evict(pool: Pool, n: int) -> tuple[Pool, tuple[int, ...]]:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise InvalidOperation(f"cannot evict {n!r} blocks")
     victims = tuple(b for b in eviction_order(pool) if pool.block_hashes[b] is not None)[:n]
-    hashes = list(pool.block_hashes)
-    for block in victims:
-        hashes[block] = None
-    return attrs.evolve(pool, block_hashes=tuple(hashes)), victims
+    return _forget(pool, victims), victims
 
 
 # -- invariants over snapshots ---------------------------------------------------
 
 
-@invariant("a block missing from the queue is lost for good; one queued twice or while in use is handed out twice")
+@invariant(
+    "a block missing from the queue is lost for good; one queued twice or while in use is handed out twice", "safety"
+)
 def invariant_free_queue_exact(state: PoolState) -> str | None:
     counts = Counter(state.free_queue)
     twice = sorted(b for b, c in counts.items() if c > 1)
@@ -260,11 +291,11 @@ def invariant_free_queue_exact(state: PoolState) -> str | None:
     return None
 
 
-@invariant("blocks are neither created nor destroyed: used + free must always equal capacity")
+@invariant("blocks are neither created nor destroyed: used + free must always equal capacity", "safety")
 def invariant_capacity_conserved(state: PoolState) -> str | None:
     used = sum(1 for r in state.refcounts if r > 0)
     if len(state.refcounts) != state.capacity or any(r < 0 for r in state.refcounts):
-        return f"{len(state.refcounts)} reference counts for capacity {state.capacity}, some negative"
+        return f"{len(state.refcounts)} reference counts for capacity {state.capacity}: {state.refcounts}"
     if used + len(state.free_queue) != state.capacity:
         return f"used {used} + free {len(state.free_queue)} != capacity {state.capacity}"
     if any(not 0 <= b < state.capacity for b in state.free_queue):
@@ -272,7 +303,7 @@ def invariant_capacity_conserved(state: PoolState) -> str | None:
     return None
 
 
-@invariant("a block in use that nobody holds can never be freed: memory leaks until restart")
+@invariant("a block in use that nobody holds can never be freed: memory leaks until restart", "safety")
 def invariant_no_leak(state: PoolState, holders: Mapping[int, int]) -> str | None:
     leaked = sorted(b for b, r in enumerate(state.refcounts) if r > 0 and holders.get(b, 0) == 0)
     if leaked:
@@ -280,29 +311,50 @@ def invariant_no_leak(state: PoolState, holders: Mapping[int, int]) -> str | Non
     return None
 
 
-@invariant("a count above the references leaks the block; one below frees memory still being read")
+@invariant("a count above the references leaks the block; one below frees memory still being read", "safety")
 def invariant_refcount_matches_holders(state: PoolState, holders: Mapping[int, int]) -> str | None:
+    outside = sorted(b for b in holders if not 0 <= b < len(state.refcounts))
+    if outside:
+        return f"blocks {outside} are held but are not blocks of this pool"
     wrong = {b: (r, holders.get(b, 0)) for b, r in enumerate(state.refcounts) if r != holders.get(b, 0)}
     if wrong:
-        shown = ", ".join(f"block {b}: count {r}, held {h}" for b, (r, h) in sorted(wrong.items()))
-        return shown
+        return ", ".join(f"block {b}: count {r}, held {h}" for b, (r, h) in sorted(wrong.items()))
     return None
 
 
-@invariant("a lookup must return only a block that really holds the hashed contents, and one block per hash")
+@invariant(
+    "a lookup must return only a block that really holds the hashed contents, and know every such block", "safety"
+)
 def invariant_hash_map_consistent(state: PoolState) -> str | None:
-    for block_hash, block in state.cached.items():
-        if not 0 <= block < state.capacity or state.block_hashes[block] != block_hash:
-            return f"hash map names block {block} for a hash the block does not carry"
-    if len(set(state.cached.values())) != len(state.cached):
-        return "the hash map names one block under two hashes"
+    listed = [block for blocks in state.cached.values() for block in blocks]
+    for block_hash, blocks in state.cached.items():
+        if not blocks:
+            return f"hash map lists {block_hash!r} with no block"
+        for block in blocks:
+            if not 0 <= block < state.capacity or state.block_hashes[block] != block_hash:
+                return f"hash map names block {block} for a hash the block does not carry"
+    if len(set(listed)) != len(listed):
+        return f"the hash map names one block twice: {dict(state.cached)}"
     carried = {b for b, h in enumerate(state.block_hashes) if h is not None}
-    if carried != set(state.cached.values()):
-        return f"blocks {sorted(carried - set(state.cached.values()))} carry a hash the map does not list"
+    if carried != set(listed):
+        return f"blocks {sorted(carried - set(listed))} carry a hash the map does not list"
     return None
 
 
-@invariant("a block someone is reading must never be handed to another sequence nor lose its cached contents")
+@invariant(
+    "a scheduler admits by num_free() and a manager copies by refcount(): they must tell what the pool holds", "safety"
+)
+def invariant_counts_match_snapshot(state: PoolState, num_free: int, refcounts: Sequence[int]) -> str | None:
+    """``num_free`` and ``refcounts`` are what ``num_free()`` and ``refcount(b)`` for every block answered."""
+    if num_free != state.num_free:
+        return f"num_free() answers {num_free}, the snapshot queues {state.num_free} free blocks"
+    wrong = [b for b, (r, s) in enumerate(zip(refcounts, state.refcounts, strict=True)) if r != s]
+    if wrong:
+        return f"refcount({wrong[0]}) answers {refcounts[wrong[0]]}, the snapshot counts {state.refcounts[wrong[0]]}"
+    return None
+
+
+@invariant("a block someone is reading must never be handed to another sequence nor lose its cached contents", "safety")
 def invariant_in_use_never_reclaimed(before: PoolState, after: PoolState, reclaimed: Sequence[int]) -> str | None:
     busy = sorted({b for b in reclaimed if before.refcounts[b] > 0})
     if busy:
@@ -319,15 +371,29 @@ def invariant_in_use_never_reclaimed(before: PoolState, after: PoolState, reclai
     return None
 
 
-@invariant("the policy decides what is reused and what is lost; another order silently changes hit rates")
+@invariant("the policy decides what is reused and what is lost; another order silently changes hit rates", "convention")
 def invariant_eviction_order(expected: Sequence[int], actual: Sequence[int]) -> str | None:
     if tuple(expected) != tuple(actual):
         return f"policy order takes {tuple(expected)}, implementation took {tuple(actual)}"
     return None
 
 
-@invariant("the implementation must be in exactly the state the specification model predicts")
+@invariant(
+    "the implementation must be in exactly the state the model of its declared conventions predicts", "convention"
+)
 def invariant_pool_refines_spec(actual: PoolState, expected: PoolState) -> str | None:
     if actual != expected:
         return diff_states(actual, expected)
     return None
+
+
+STATE = Group(
+    (
+        invariant_free_queue_exact,
+        invariant_capacity_conserved,
+        invariant_hash_map_consistent,
+        invariant_no_leak,
+        invariant_refcount_matches_holders,
+    )
+)
+"""Every safety rule over a pool's snapshot, called as ``(state, holders)``."""

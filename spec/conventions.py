@@ -34,6 +34,12 @@ The fields, one per choice observed in vLLM v1 and SGLang:
 * ``RadixConventions.page_size`` -- tokens per page; keys match in whole pages.
 * ``RadixConventions.extra_key_namespaces`` -- whether an extra key (adapter,
   tenant) separates otherwise equal keys.
+
+What each choice means exactly is stated, and modelled, in the layer's spec
+module: ``spec.block_pool`` for the pool's, ``spec.radix_cache`` for the
+radix cache's.  (The radix cache's page size and extra-key namespaces are
+declared here but not yet modelled: the machines drive page size 1 and no
+extra key, which every engine supports.)
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from typing import Literal
 
 import attrs
 
-from kvspec.spec.block_pool import POLICIES, Policy
+Policy = Literal["lru", "lfu"]
+POLICIES: tuple[Policy, ...] = ("lru", "lfu")
 
 
 @attrs.frozen
@@ -72,3 +79,7 @@ class Conventions:
     pool: PoolConventions = PoolConventions()
     radix: RadixConventions = RadixConventions()
     trusts_caller: bool = False
+
+
+REFERENCE = Conventions()
+"""What the reference implementation declares: the default of every field."""

@@ -45,6 +45,10 @@ class Implementation:
     tiny_model: Callable[..., Any] | None = None  # tiny_model(**sizes): the model whose logits are compared
     contiguous_kv_cache: Callable[..., Any] | None = None  # contiguous_kv_cache(shape): the contiguous twin
     decode_attention: Callable[..., Any] | None = None  # the batched decode kernel over block tables
+    contiguous_allocator: Callable[..., Any] | None = (
+        None  # contiguous_allocator(capacity, placement): see spec.contiguous
+    )
+    kv_store: Callable[..., Any] | None = None  # kv_store(nodes, capacities, policies): see spec.kv_store
 
     def complete_with(self, reference: Implementation) -> Implementation:
         """Fill every component this implementation leaves out from ``reference``."""

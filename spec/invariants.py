@@ -1,81 +1,168 @@
-"""Named invariants: the registry every layer of the spec writes into.
+"""Invariants: the rules of the spec, each an object with its tier and the sentence of why.
 
 Rules:
 
 * An invariant is a plain predicate over abstract states (and, for a
   transition, over the state before, the state after and the result).  It
   returns ``None`` when it holds and a one-line explanation when it does not.
-* Each invariant is declared exactly once, with ``@invariant(why)``, in the
-  ``spec`` module of the layer it belongs to.  Its name is the function's
-  name; the registry refuses a second declaration of the same name.
-* Two invariants hold for every layer and live here: an implementation
-  rejects exactly what the spec rejects, with the same error class
-  (``invariant_verdict_matches_spec``) and answers what the spec answers
-  (``invariant_result_matches_spec``), and a rejected operation changes
-  nothing (``invariant_failed_operation_changes_nothing``).
-* Property suites, the conformance report and the meta-tests refer to an
-  invariant only by that name, so a failure always says which rule broke and
-  why the rule exists.
+* Each invariant is declared exactly once, with ``@invariant(why, tier)``, in
+  the ``spec`` module of the layer it belongs to.  The decorator returns the
+  ``Invariant`` object itself: machines, the conformance verdict and the zoo
+  of broken implementations refer to it by reference
+  (``block_pool.invariant_no_leak``), never by a string.
+* Every rule says what kind of rule it is (its *tier*):
+
+  - ``safety`` -- holds for every correct engine whatever it declares: no
+    leak, counts equal holders, nothing handed out twice, what is in use or
+    locked is never reclaimed, what is read back is what was written.
+  - ``caller contract`` -- how a call outside the contract is answered: a
+    typed error and no change.  An engine that declares ``trusts_caller``
+    (``spec.conventions``) has these findings reported as its declared
+    choice, and is not sent such calls while its safety rules are checked.
+  - ``convention`` -- exact refinement of the model *of the engine's declared
+    conventions*: its answers, its verdicts and its state are the model's.
+
+* Invariants are *grouped by what they check* (``Group``): a group's members
+  are evaluated on the same arguments, each on as many leading arguments as
+  its predicate takes, and a group may include another layer's group seen
+  through a projection (a manager's state includes its pool's, with the
+  tables as the holders).  A machine checks a layer's group, so an invariant
+  declared once in a group is checked by every machine that checks the group.
+* Teeth: each invariant is proven able to fail by a broken implementation of
+  ``impl/broken/`` that names it, unless it declares ``fails_only_with``: why
+  it cannot fail without another named invariant failing too.
+* Three invariants hold for every layer and live here; the lockstep harness
+  checks them on every call: out-of-contract calls are rejected cleanly
+  (caller contract), in-contract calls get the model's verdict (convention)
+  and its answer (convention), and a call rejected for want of room changes
+  nothing (safety: all or nothing).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, cast
 
 import attrs
 
-Predicate = TypeVar("Predicate", bound=Callable[..., "str | None"])
+Tier = Literal["safety", "caller contract", "convention"]
+TIERS: tuple[Tier, ...] = ("safety", "caller contract", "convention")
 
 
 @attrs.frozen
 class Invariant:
-    """A rule of the spec: its name, the layer it belongs to and why it exists."""
+    """A rule of the spec: its name, layer, tier and why it exists; call it to evaluate it."""
 
     name: str
     layer: str
+    tier: Tier
     why: str
+    fails_only_with: str  # empty, or why it cannot fail unless another named invariant fails too
     check: Callable[..., str | None] = attrs.field(eq=False, repr=False)
+    arity: int = attrs.field(eq=False, repr=False)
+
+    def __call__(self, *args: Any) -> str | None:
+        return self.check(*args)
 
 
 REGISTRY: dict[str, Invariant] = {}
 
 
-def invariant(why: str) -> Callable[[Predicate], Predicate]:
-    """Register ``predicate`` under its own name with the sentence that justifies it."""
+def invariant(
+    why: str, tier: Tier = "safety", *, fails_only_with: str = ""
+) -> Callable[[Callable[..., str | None]], Invariant]:
+    """Declare the predicate as an invariant of its module's layer; the name is the function's."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; choose from {TIERS}")
 
-    def register(predicate: Predicate) -> Predicate:
+    def declare(predicate: Callable[..., str | None]) -> Invariant:
         name = predicate.__name__
         if not name.startswith("invariant_"):
             raise ValueError(f"invariant {name!r} must be named invariant_...")
         if name in REGISTRY:
             raise ValueError(f"invariant {name!r} is declared twice")
-        layer = predicate.__module__.rsplit(".", 1)[-1]
-        REGISTRY[name] = Invariant(name=name, layer=layer, why=why, check=predicate)
-        return predicate
+        REGISTRY[name] = Invariant(
+            name=name,
+            layer=predicate.__module__.rsplit(".", 1)[-1],
+            tier=tier,
+            why=why,
+            fails_only_with=fails_only_with,
+            check=predicate,
+            arity=len(inspect.signature(predicate).parameters),
+        )
+        return REGISTRY[name]
 
-    return register
+    return declare
+
+
+@attrs.frozen
+class Group:
+    """Invariants checked together, on one list of arguments; each takes as many as it names.
+
+    ``parts`` include other groups: each with the function that turns this
+    group's arguments into that group's.
+    """
+
+    members: tuple[Invariant, ...]
+    parts: tuple[tuple[Group, Callable[..., tuple[Any, ...]]], ...] = ()
+
+    def including(self, group: Group, view: Callable[..., tuple[Any, ...]]) -> Group:
+        return attrs.evolve(self, parts=(*self.parts, (group, view)))
+
+    @property
+    def invariants(self) -> tuple[Invariant, ...]:
+        return self.members + tuple(rule for group, _ in self.parts for rule in group.invariants)
+
+    def evaluations(self, *args: Any) -> Iterator[tuple[Invariant, tuple[Any, ...]]]:
+        """Each member with the arguments it is evaluated on, included groups last."""
+        for rule in self.members:
+            yield rule, args[: rule.arity]
+        for group, view in self.parts:
+            yield from group.evaluations(*view(*args))
 
 
 class InvariantViolation(AssertionError):
-    """Raised by a property suite when an invariant does not hold."""
+    """Raised by a property suite when an invariant does not hold.
 
-    def __init__(self, name: str, detail: str) -> None:
-        rule = REGISTRY.get(name)
-        why = f" (why it matters: {rule.why})" if rule else ""
-        super().__init__(f"{name} violated: {detail}{why}")
-        self.invariant = name
+    ``operation`` names the call that broke a caller-contract rule, so that a
+    verdict can tell "accepts a double free" from "registers a free block".
+    """
+
+    def __init__(self, rule: Invariant, detail: str, operation: str = "") -> None:
+        super().__init__(f"{rule.name} violated: {detail} (why it matters: {rule.why})")
+        self.invariant = rule
         self.detail = detail
+        self.operation = operation
 
 
-def require(name: str, *args: Any) -> None:
-    """Evaluate the registered invariant ``name`` and raise if it does not hold."""
-    problem = REGISTRY[name].check(*args)
+def require(rule: Invariant, *args: Any) -> None:
+    """Evaluate ``rule`` and raise if it does not hold."""
+    problem = rule(*args)
     if problem is not None:
-        raise InvariantViolation(name, problem)
+        raise InvariantViolation(rule, problem)
 
 
-@invariant("a caller must be able to tell retry-later (out of blocks) from never (invalid) exactly as the spec does")
+@invariant(
+    "a caller told never (invalid) gives up, one told retry-later waits: out-of-contract calls must be refused, "
+    "with the spec's error class and no trace",
+    "caller contract",
+)
+def invariant_out_of_contract_call_rejected(expected: str, actual: str, before: object, after: object) -> str | None:
+    """``expected`` is the spec's error class name, ``actual`` the implementation's verdict ('ok' or a class name)."""
+    changed = "" if before == after else f"; it changed {changes(before, after)}"
+    if actual != expected:
+        return f"the spec rejects the call with {expected}, the implementation answers {actual}{changed}"
+    if changed:
+        return f"the call was rejected, but{changed}"
+    return None
+
+
+@invariant(
+    "a caller must be able to tell success from retry-later (out of blocks) exactly as the model of the declared "
+    "conventions does",
+    "convention",
+)
 def invariant_verdict_matches_spec(expected: str, actual: str) -> str | None:
     """``expected`` and ``actual`` are verdicts: 'ok' or the typed error's class name."""
     if expected != actual:
@@ -83,24 +170,39 @@ def invariant_verdict_matches_spec(expected: str, actual: str) -> str | None:
     return None
 
 
-@invariant("callers act on what an operation answers (a lookup's block, a read's tokens): it must be the spec's answer")
+@invariant(
+    "callers act on what an operation answers (a lookup's block, a read's tokens): it must be the spec's answer",
+    "convention",
+)
 def invariant_result_matches_spec(expected: object, actual: object) -> str | None:
     if expected != actual:
         return f"the spec answers {expected!r}, the implementation {actual!r}"
     return None
 
 
-@invariant("a rejected operation must leave no trace, so that the caller can recover and retry")
+@invariant("all or nothing: a call refused for want of room must leave no trace, so the caller can retry", "safety")
 def invariant_failed_operation_changes_nothing(before: object, after: object) -> str | None:
     if before != after:
-        return f"state changed by a failed operation:\n  before {before}\n  after  {after}"
+        return f"the call was refused, but it changed {changes(before, after)}"
     return None
+
+
+def changes(before: object, after: object) -> str:
+    """What differs between two states: their fields' old and new values (states in a tuple, each)."""
+    if isinstance(before, tuple) and isinstance(after, tuple) and len(before) == len(after):
+        return "; ".join(changes(b, a) for b, a in zip(before, after, strict=True) if b != a)
+    if not attrs.has(type(before)) or type(before) is not type(after):
+        return f"{before!r} into {after!r}"
+    fields = [
+        f.name for f in attrs.fields(cast(Any, type(before))) if getattr(before, f.name) != getattr(after, f.name)
+    ]
+    return ", ".join(f"{name} from {getattr(before, name)!r} to {getattr(after, name)!r}" for name in fields)
 
 
 def diff_states(actual: object, expected: object) -> str:
     """Name the fields in which two attrs records differ."""
     parts = []
-    for field in attrs.fields(type(expected)):
+    for field in attrs.fields(cast(Any, type(expected))):
         a, e = getattr(actual, field.name), getattr(expected, field.name)
         if a != e:
             parts.append(f"{field.name}: implementation {a!r}, spec {e!r}")

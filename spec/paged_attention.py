@@ -56,7 +56,7 @@ outputs must equal formula (4).
 
 Invariants:
 
-* ``invariant_paged_equals_contiguous`` -- max |logits_paged - logits_contiguous|
+* ``invariant_paged_equals_contiguous`` [safety] -- max |logits_paged - logits_contiguous|
   <= 1e-12 in float64, for every step, every sequence and every block size.
 """
 
@@ -149,7 +149,10 @@ def max_abs_difference(paged: Sequence[np.ndarray], contiguous: Sequence[np.ndar
     return max((float(np.max(np.abs(a - b))) for a, b in zip(paged, contiguous, strict=True) if a.size), default=0.0)
 
 
-@invariant("paging may change where KV lives, never what attention computes: paged logits equal contiguous ones")
+@invariant(
+    "paging may change where KV lives, never what attention computes: paged logits equal contiguous ones",
+    "safety",
+)
 def invariant_paged_equals_contiguous(
     batch: Sequence[Hashable], paged: Sequence[np.ndarray], contiguous: Sequence[np.ndarray]
 ) -> str | None:

@@ -37,16 +37,16 @@ a bijection, then compares states through that renaming.
 
 Invariants:
 
-* ``invariant_hash_iff_prefix`` -- equal hash <=> equal whole prefix and extra key.
-* ``invariant_hash_change_propagates`` -- changing a token of block k changes
+* ``invariant_hash_iff_prefix`` [safety] -- equal hash <=> equal whole prefix and extra key.
+* ``invariant_hash_change_propagates`` [safety] -- changing a token of block k changes
   hash k and every later one, never an earlier one.
-* ``invariant_hit_is_exact_prefix`` -- a hit block holds exactly the requested
+* ``invariant_hit_is_exact_prefix`` [safety] -- a hit block holds exactly the requested
   prefix, and was cached (not evicted, not reallocated) when it was hit.
-* ``invariant_hits_stop_at_first_miss`` -- the hit length counts blocks only
+* ``invariant_hits_stop_at_first_miss`` [safety] -- the hit length counts blocks only
   up to the first miss.
-* ``invariant_reuse_preserves_read_back`` -- a sequence reads back what it was
+* ``invariant_reuse_preserves_read_back`` [safety] -- a sequence reads back what it was
   given, hit or not.
-* ``invariant_evicts_only_what_is_needed`` -- a write forgets a cached block
+* ``invariant_evicts_only_what_is_needed`` [convention] -- a write forgets a cached block
   only by handing that very block out.
   (Plus, reused by name: the pool's ``invariant_in_use_never_reclaimed`` and
   ``invariant_eviction_order``, and every layer-1/2 invariant.)
@@ -161,6 +161,16 @@ def free(cm: CachingManager, seq: SeqId) -> CachingManager:
     return attrs.evolve(cm, manager=manager, extra_keys={s: k for s, k in cm.extra_keys.items() if s != seq})
 
 
+def move_sequences(
+    src: CachingManager, dst: CachingManager, seqs: Sequence[SeqId]
+) -> tuple[CachingManager, CachingManager, tuple[tuple[int, int], ...]]:
+    """Layer 2's move (swap): the group's extra keys travel with it, its blocks arrive uncached."""
+    src_manager, dst_manager, mapping = block_manager.move_sequences(src.manager, dst.manager, seqs)
+    keys = {seq: src.extra_keys[seq] for seq in seqs}
+    src = attrs.evolve(src, manager=src_manager, extra_keys={s: k for s, k in src.extra_keys.items() if s not in keys})
+    return src, attrs.evolve(dst, manager=dst_manager, extra_keys={**dst.extra_keys, **keys}), mapping
+
+
 def evict(cm: CachingManager, n: int) -> tuple[CachingManager, tuple[int, ...]]:
     pool, victims = block_pool.evict(cm.manager.pool, n)
     return attrs.evolve(cm, manager=attrs.evolve(cm.manager, pool=pool)), victims
@@ -169,7 +179,8 @@ def evict(cm: CachingManager, n: int) -> tuple[CachingManager, tuple[int, ...]]:
 def _write_registering(cm: CachingManager, seq: SeqId, tokens: tuple[int, ...]) -> tuple[CachingManager, WritePlan]:
     """Layer 2's write, cut at block boundaries so each block is registered the moment it fills."""
     manager, size, extra_key = cm.manager, cm.manager.block_size, cm.extra_keys[seq]
-    copies, slots = [], []
+    copies: list[tuple[int, int]] = []
+    slots: list[tuple[int, int]] = []
     start = 0
     while start < len(tokens):
         room_in_block = size - len(manager.tokens[seq]) % size
@@ -200,7 +211,10 @@ def rename_hashes(state: ManagerState, rename: Mapping[Hashable, Hashable]) -> M
 # -- invariants ------------------------------------------------------------------
 
 
-@invariant("KV depends on the whole prefix: equal hashes must mean equal prefixes (and extra keys), and back")
+@invariant(
+    "KV depends on the whole prefix: equal hashes must mean equal prefixes (and extra keys), and back",
+    "safety",
+)
 def invariant_hash_iff_prefix(pairs: Iterable[tuple[Hashable, IdealKey]]) -> str | None:
     """``pairs`` are every (implementation hash, ideal key) seen for the same block so far."""
     ideal_of: dict[Hashable, IdealKey] = {}
@@ -213,7 +227,10 @@ def invariant_hash_iff_prefix(pairs: Iterable[tuple[Hashable, IdealKey]]) -> str
     return None
 
 
-@invariant("lecture exercise 10: a changed token changes its block's KV and every later block's, no earlier one's")
+@invariant(
+    "lecture exercise 10: a changed token changes its block's KV and every later block's, no earlier one's",
+    "safety",
+)
 def invariant_hash_change_propagates(
     original: Sequence[Hashable], changed: Sequence[Hashable], changed_block: int
 ) -> str | None:
@@ -225,7 +242,10 @@ def invariant_hash_change_propagates(
     return None
 
 
-@invariant("a hit must reuse KV computed for exactly this prefix; an evicted or reallocated block holds something else")
+@invariant(
+    "a hit must reuse KV computed for exactly this prefix; an evicted or reallocated block holds something else",
+    "safety",
+)
 def invariant_hit_is_exact_prefix(
     before: PoolState,
     contents: Mapping[int, Sequence[int]],
@@ -242,7 +262,10 @@ def invariant_hit_is_exact_prefix(
     return None
 
 
-@invariant("a prefix cache can reuse only a run from the start: counting past the first miss overstates the savings")
+@invariant(
+    "a prefix cache can reuse only a run from the start: counting past the first miss overstates the savings",
+    "safety",
+)
 def invariant_hits_stop_at_first_miss(expected_blocks: int, cached_tokens: int, block_size: int) -> str | None:
     if cached_tokens != expected_blocks * block_size:
         return (
@@ -251,14 +274,20 @@ def invariant_hits_stop_at_first_miss(expected_blocks: int, cached_tokens: int, 
     return None
 
 
-@invariant("reuse is an optimisation: what a sequence reads back must not depend on whether its prefix was a hit")
+@invariant(
+    "reuse is an optimisation: what a sequence reads back must not depend on whether its prefix was a hit",
+    "safety",
+)
 def invariant_reuse_preserves_read_back(seq: SeqId, read_back: Sequence[int], given: Sequence[int]) -> str | None:
     if tuple(read_back) != tuple(given):
         return f"sequence {seq!r} reads back {tuple(read_back)}, it was given {tuple(given)}"
     return None
 
 
-@invariant("cached blocks are free to keep until their space is needed: forgetting more loses hits for nothing")
+@invariant(
+    "cached blocks are free to keep until their space is needed: forgetting more loses hits for nothing",
+    "convention",
+)
 def invariant_evicts_only_what_is_needed(before: PoolState, after: PoolState, allocated: Sequence[int]) -> str | None:
     """A write may forget a cached block only by handing that very block out (``allocated``)."""
     forgotten = [b for b, h in enumerate(before.block_hashes) if h is not None and after.block_hashes[b] != h]

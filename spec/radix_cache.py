@@ -24,25 +24,48 @@ Rules (lecture §8.1; SGLang ``RadixCache``):
 * Bad arguments (a negative count, values not matching the key, locking an
   uncached key) raise ``InvalidOperation`` and change nothing.
 
+Conventions (``spec.conventions.RadixConventions``; the reference's first).
+They speak of *nodes*: a compressed tree's runs of tokens.  A node ends
+where an insert's new tokens end, and is split where a match, insert or lock
+ends inside it (so a branch point always ends a node); eviction never merges.
+
+* ``eviction_granularity`` -- ``exact_tokens`` as above; ``whole_leaves``
+  evicts whole unprotected leaf nodes, least recently used first, each from
+  its deepest token up, until at least ``min(num_tokens, evictable)`` tokens
+  are gone (SGLang).
+* ``recency`` -- ``per_token`` marks exactly the tokens matched or inserted;
+  ``per_node`` marks every node the walk visits, whole, before splitting it
+  (SGLang stamps a node and then splits it, so a partial match also marks
+  the node's unmatched tail).
+* ``lock_by`` -- ``key`` as above; ``handle`` locks (unlocks) the node a match
+  of the key ends at -- the longest cached prefix of the key, with no mark of
+  use -- and a key with no cached prefix names the root, where lock and
+  unlock do nothing (SGLang's ``inc_lock_ref`` / ``dec_lock_ref`` on the node
+  ``match_prefix`` returned).  Unlocking a node that holds no lock is still
+  an ``InvalidOperation``.
+
 Theory of operation: ``Radix`` is a token-level trie in a dict keyed by
 prefix, with a logical clock; a real implementation compresses runs of
 tokens into nodes (and splits them when a match, insert or lock ends inside
 one).  ``abstract`` forgets the clock: implementations are compared through
 ``RadixState`` and through the order of what they evict.
 
-Invariants:
+Invariants (tier in brackets):
 
-* ``invariant_radix_prefix_closed`` -- the cached prefixes form a tree.
-* ``invariant_radix_sizes_consistent`` -- evictable + protected = total, and
-  protected counts exactly the tokens on locked paths.
-* ``invariant_radix_match_is_longest`` -- a match returns the values of the
-  longest cached prefix of the key.
-* ``invariant_radix_locked_never_evicted`` -- eviction never takes a token of
-  a locked path, and takes exactly what was asked when it can.
-* ``invariant_radix_agrees_with_chained_hash`` -- given the same history and
-  room enough that nothing was evicted, the radix tree's hit length in whole
-  blocks equals the chained-hash cache's.
-* ``invariant_radix_refines_spec`` -- the implementation is in the model's state.
+* ``invariant_radix_prefix_closed`` [safety] -- the cached prefixes form a tree.
+* ``invariant_radix_sizes_consistent`` [safety] -- evictable + protected =
+  total, and protected counts exactly the tokens on locked paths.
+* ``invariant_radix_match_is_longest`` [safety] -- a match returns the values
+  of the longest cached prefix of the key.
+* ``invariant_radix_locked_never_evicted`` [safety] -- eviction never takes a
+  token of a locked path.
+* ``invariant_radix_evicts_what_was_asked`` [safety] -- eviction frees at least
+  ``min(asked, evictable)`` tokens.
+* ``invariant_radix_agrees_with_chained_hash`` [safety] -- given the same
+  history and room enough that nothing was evicted, the radix tree's hit
+  length in whole blocks equals the chained-hash cache's.
+* ``invariant_radix_refines_spec`` [convention] -- the implementation is in
+  the state of the model of its declared conventions.
   (Eviction order is checked with the pool's ``invariant_eviction_order``.)
 """
 
@@ -54,9 +77,9 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from kvspec.spec.block_manager import check_tokens
-from kvspec.spec.block_pool import diff_states
+from kvspec.spec.conventions import REFERENCE, RadixConventions
 from kvspec.spec.errors import InvalidOperation
-from kvspec.spec.invariants import invariant
+from kvspec.spec.invariants import Group, diff_states, invariant
 
 Key = tuple[int, ...]
 
@@ -93,16 +116,18 @@ class RadixCache(Protocol):
 
 @attrs.frozen
 class Radix:
-    """Token-level trie: prefix -> (value, last use); locks per key; a logical clock."""
+    """Token-level trie: prefix -> (value, last use); where nodes end; locks per key; a logical clock."""
 
     values: Mapping[Key, int]
     last_use: Mapping[Key, int]
     locks: Mapping[Key, int]
     clock: int
+    node_ends: frozenset[Key] = frozenset()
+    conventions: RadixConventions = REFERENCE.radix
 
 
-def new_radix() -> Radix:
-    return Radix(values={}, last_use={}, locks={}, clock=0)
+def new_radix(conventions: RadixConventions = REFERENCE.radix) -> Radix:
+    return Radix(values={}, last_use={}, locks={}, clock=0, conventions=conventions)
 
 
 def abstract(radix: Radix) -> RadixState:
@@ -116,10 +141,28 @@ def _longest_cached(radix: Radix, key: Key) -> int:
     return length
 
 
+def _node_of(radix: Radix, prefix: Key) -> tuple[Key, ...]:
+    """The cached prefixes in the node that holds ``prefix``, shallowest first."""
+    start = max((i for i in range(len(prefix)) if prefix[:i] in radix.node_ends), default=0)
+    node = [prefix[:i] for i in range(start + 1, len(prefix) + 1)]
+    while node[-1] not in radix.node_ends:
+        node.append(next(key for key in radix.values if len(key) == len(node[-1]) + 1 and key[:-1] == node[-1]))
+    return tuple(node)
+
+
+def _split_at(radix: Radix, *prefixes: Key) -> Radix:
+    """Nodes end at each non-empty prefix given (a walk that stops inside a node splits it)."""
+    return attrs.evolve(radix, node_ends=radix.node_ends | {p for p in prefixes if p})
+
+
 def _touch(radix: Radix, key: Key, length: int) -> Radix:
+    """Mark the walk along ``key[:length]`` as just used, per the recency convention; then split at its end."""
     clock = radix.clock + 1
-    touched = {key[: i + 1]: clock for i in range(length)}
-    return attrs.evolve(radix, last_use={**radix.last_use, **touched}, clock=clock)
+    walked = [key[: i + 1] for i in range(length)]
+    if radix.conventions.recency == "per_node":
+        walked = [p for prefix in walked for p in _node_of(radix, prefix)]
+    radix = attrs.evolve(radix, last_use={**radix.last_use, **dict.fromkeys(walked, clock)}, clock=clock)
+    return _split_at(radix, key[:length])
 
 
 def match_prefix(radix: Radix, key: Sequence[int]) -> tuple[Radix, tuple[int, ...]]:
@@ -135,27 +178,46 @@ def insert(radix: Radix, key: Sequence[int], values: Sequence[int]) -> tuple[Rad
     if len(values) != len(key):
         raise InvalidOperation(f"{len(values)} values for a key of {len(key)} tokens")
     present = _longest_cached(radix, key)
+    radix = _touch(radix, key, present)
     added = {key[: i + 1]: values[i] for i in range(present, len(key))}
-    radix = attrs.evolve(radix, values={**radix.values, **added})
-    return _touch(radix, key, len(key)), present
+    clock = radix.clock
+    radix = attrs.evolve(
+        radix,
+        values={**radix.values, **added},
+        last_use={**radix.last_use, **dict.fromkeys(added, clock)},
+    )
+    return _split_at(radix, key), present
+
+
+def _locked_key(radix: Radix, key: Sequence[int], operation: str) -> Key:
+    """The key a lock or unlock names: the key itself, or (by handle) the node a match of it ends at."""
+    if radix.conventions.lock_by == "handle":
+        key = check_tokens(key, allow_empty=True)
+        return key[: _longest_cached(radix, key)]
+    key = check_tokens(key, allow_empty=False)
+    if key not in radix.values:
+        raise InvalidOperation(f"cannot {operation} {key}: it is not cached")
+    return key
 
 
 def lock(radix: Radix, key: Sequence[int]) -> Radix:
-    key = check_tokens(key, allow_empty=False)
-    if key not in radix.values:
-        raise InvalidOperation(f"cannot lock {key}: it is not cached")
-    return attrs.evolve(radix, locks={**radix.locks, key: radix.locks.get(key, 0) + 1})
+    locked = _locked_key(radix, key, "lock")
+    if not locked:
+        return radix  # the root: nothing to protect
+    return _split_at(attrs.evolve(radix, locks={**radix.locks, locked: radix.locks.get(locked, 0) + 1}), locked)
 
 
 def unlock(radix: Radix, key: Sequence[int]) -> Radix:
-    key = check_tokens(key, allow_empty=False)
-    held = radix.locks.get(key, 0)
+    locked = _locked_key(radix, key, "unlock")
+    if not locked:
+        return radix
+    held = radix.locks.get(locked, 0)
     if held == 0:
-        raise InvalidOperation(f"cannot unlock {key}: it holds no lock")
-    locks = {k: n for k, n in radix.locks.items() if k != key}
+        raise InvalidOperation(f"cannot unlock {locked}: it holds no lock")
+    locks = {k: n for k, n in radix.locks.items() if k != locked}
     if held > 1:
-        locks[key] = held - 1
-    return attrs.evolve(radix, locks=locks)
+        locks[locked] = held - 1
+    return _split_at(attrs.evolve(radix, locks=locks), locked)
 
 
 def evictable_leaves(radix: Radix) -> list[Key]:
@@ -166,23 +228,43 @@ def evictable_leaves(radix: Radix) -> list[Key]:
     return sorted(leaves, key=lambda key: (radix.last_use[key], key))
 
 
+def _evict_leaf(radix: Radix) -> tuple[Radix, tuple[int, ...]] | None:
+    """Evict the least recently used leaf token (or, by whole leaves, its node), deepest first; None if none."""
+    leaves = evictable_leaves(radix)
+    if not leaves:
+        return None
+    leaf = leaves[0]
+    if radix.conventions.eviction_granularity == "whole_leaves":
+        gone = _node_of(radix, leaf)[::-1]
+        ends = radix.node_ends - {leaf}
+    else:
+        gone = (leaf,)
+        ends = (radix.node_ends - {leaf}) | ({leaf[:-1]} - {()})  # a trimmed node now ends one token earlier
+    values = {k: v for k, v in radix.values.items() if k not in gone}
+    last_use = {k: t for k, t in radix.last_use.items() if k not in gone}
+    evicted = tuple(radix.values[key] for key in gone)
+    return attrs.evolve(radix, values=values, last_use=last_use, node_ends=ends), evicted
+
+
 def evict(radix: Radix, num_tokens: int) -> tuple[Radix, tuple[int, ...]]:
     if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
         raise InvalidOperation(f"cannot evict {num_tokens!r} tokens")
-    values, last_use, evicted = dict(radix.values), dict(radix.last_use), []
-    for _ in range(num_tokens):
-        leaves = evictable_leaves(attrs.evolve(radix, values=values, last_use=last_use))
-        if not leaves:
-            break
-        evicted.append(values.pop(leaves[0]))
-        del last_use[leaves[0]]
-    return attrs.evolve(radix, values=values, last_use=last_use), tuple(evicted)
+    evicted: tuple[int, ...] = ()
+    while len(evicted) < num_tokens and (step := _evict_leaf(radix)) is not None:
+        radix, gone = step
+        evicted += gone
+    return radix, evicted
 
 
 # -- invariants ------------------------------------------------------------------
 
 
-@invariant("a cached token's KV depends on all before it, so every prefix of a cached path must be cached too")
+@invariant(
+    "a cached token's KV depends on all before it, so every prefix of a cached path must be cached too",
+    "safety",
+    fails_only_with="a snapshot read off a tree is prefix closed, and so is every state of the model: "
+    "one that is not differs from the model's (invariant_radix_refines_spec)",
+)
 def invariant_radix_prefix_closed(state: RadixState) -> str | None:
     orphans = sorted(key for key in state.values if len(key) > 1 and key[:-1] not in state.values)
     if orphans:
@@ -190,7 +272,10 @@ def invariant_radix_prefix_closed(state: RadixState) -> str | None:
     return None
 
 
-@invariant("the scheduler admits by evictable size: a wrong count over-commits memory or strands it")
+@invariant(
+    "the scheduler admits by evictable size: a wrong count over-commits memory or strands it",
+    "safety",
+)
 def invariant_radix_sizes_consistent(state: RadixState, total: int, evictable: int, protected: int) -> str | None:
     expected = len(state.protected & state.values.keys())
     if (total, evictable, protected) != (len(state.values), len(state.values) - expected, expected):
@@ -201,27 +286,38 @@ def invariant_radix_sizes_consistent(state: RadixState, total: int, evictable: i
     return None
 
 
-@invariant("a match must reuse the longest cached prefix, and only values cached for exactly that prefix")
+@invariant(
+    "a match must reuse the longest cached prefix, and only values cached for exactly that prefix",
+    "safety",
+)
 def invariant_radix_match_is_longest(expected: Sequence[int], actual: Sequence[int]) -> str | None:
     if tuple(expected) != tuple(actual):
         return f"matched values {tuple(actual)}, the longest cached prefix holds {tuple(expected)}"
     return None
 
 
-@invariant("a locked path is being read by a running request: evicting it frees KV still in use")
-def invariant_radix_locked_never_evicted(
-    before: RadixState, after: RadixState, evicted: Sequence[int], asked: int
-) -> str | None:
+@invariant("a locked path is being read by a running request: evicting it frees KV still in use", "safety")
+def invariant_radix_locked_never_evicted(before: RadixState, after: RadixState) -> str | None:
     lost = sorted(before.protected - after.values.keys())
     if lost:
         return f"evicted locked tokens {lost}"
+    return None
+
+
+@invariant("a scheduler evicts to make room: freeing less than it could leaves an admission short", "safety")
+def invariant_radix_evicts_what_was_asked(
+    before: RadixState, after: RadixState, evicted: Sequence[int], asked: int
+) -> str | None:
     unprotected = len(before.values.keys() - before.protected)
-    if len(evicted) != min(asked, unprotected):
+    if len(evicted) < min(asked, unprotected):
         return f"asked for {asked} of {unprotected} evictable tokens, evicted {len(evicted)}"
     return None
 
 
-@invariant("a radix tree and a chained-hash cache are two encodings of one cache: block hits must agree")
+@invariant(
+    "a radix tree and a chained-hash cache are two encodings of one cache: block hits must agree",
+    "safety",
+)
 def invariant_radix_agrees_with_chained_hash(radix_tokens: int, chained_blocks: int, block_size: int) -> str | None:
     if radix_tokens // block_size != chained_blocks:
         return (
@@ -231,8 +327,18 @@ def invariant_radix_agrees_with_chained_hash(radix_tokens: int, chained_blocks: 
     return None
 
 
-@invariant("the implementation must be in exactly the state the specification model predicts")
+@invariant(
+    "the implementation must be in exactly the state the model of its declared conventions predicts",
+    "convention",
+)
 def invariant_radix_refines_spec(actual: RadixState, expected: RadixState) -> str | None:
     if actual != expected:
         return diff_states(actual, expected)
     return None
+
+
+STATE = Group((invariant_radix_prefix_closed, invariant_radix_sizes_consistent))
+"""The safety rules over a radix cache's snapshot, called as ``(state, total, evictable, protected)``."""
+
+EVICTION = Group((invariant_radix_locked_never_evicted, invariant_radix_evicts_what_was_asked))
+"""The safety rules of an eviction, called as ``(before, after, evicted, asked)``."""

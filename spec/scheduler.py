@@ -55,22 +55,22 @@ it returns a ``Scheduler``.
 Invariants (checked after every step; the pool and manager invariants hold on
 both devices too):
 
-* ``invariant_memory_never_overcommitted`` -- each device holds at most its
+* ``invariant_memory_never_overcommitted`` [safety] -- each device holds at most its
   capacity, and its pool counts exactly the blocks its tables name.
-* ``invariant_no_leak_across_preemption`` -- only running or swapped groups
+* ``invariant_no_leak_across_preemption`` [safety] -- only running or swapped groups
   hold blocks; with no request unfinished both pools are entirely free.
-* ``invariant_group_on_one_device`` -- a group's sequences are all on its
+* ``invariant_group_on_one_device`` [safety] -- a group's sequences are all on its
   device and none elsewhere.
-* ``invariant_swap_restores_contents`` -- every held sequence reads back,
+* ``invariant_swap_restores_contents`` [safety] -- every held sequence reads back,
   through its device's tables, exactly its group's tokens.
-* ``invariant_recompute_restores_tokens`` -- a group's tokens are its prompt
+* ``invariant_recompute_restores_tokens`` [safety] -- a group's tokens are its prompt
   and the tokens it sampled, whatever preemption it went through.
-* ``invariant_oldest_never_preempted`` -- the earliest-arrived unfinished
+* ``invariant_oldest_never_preempted`` [safety] -- the earliest-arrived unfinished
   request is never a victim.
-* ``invariant_admission_in_arrival_order`` -- no group is admitted or resumed
+* ``invariant_admission_in_arrival_order`` [convention] -- no group is admitted or resumed
   ahead of an earlier-arrived one still waiting or swapped.
-* ``invariant_finishes_within_bound`` -- every request finishes by its deadline.
-* ``invariant_scheduler_refines_spec`` -- the implementation is in the model's
+* ``invariant_finishes_within_bound`` [safety] -- every request finishes by its deadline.
+* ``invariant_scheduler_refines_spec`` [convention] -- the implementation is in the model's
   state, block numbers aside.
 """
 
@@ -83,8 +83,17 @@ from typing import Literal, Protocol, runtime_checkable
 import attrs
 
 from kvspec.spec import block_manager
-from kvspec.spec.block_manager import Manager, ManagerState, blocks_for, check_tokens, holders, read_through_table
+from kvspec.spec.block_manager import (
+    Manager,
+    ManagerState,
+    SeqId,
+    blocks_for,
+    check_tokens,
+    holders,
+    read_through_table,
+)
 from kvspec.spec.errors import InvalidOperation, RequestTooLarge
+from kvspec.spec.invariants import Group as InvariantGroup
 from kvspec.spec.invariants import diff_states, invariant
 
 RequestId = int
@@ -390,16 +399,24 @@ def _admit(model: Model, group: Group, need: int, report: StepReport) -> tuple[M
 class View:
     """What refinement compares: everything but which physical blocks hold what."""
 
-    scheduler: SchedulerState
-    gpu_tokens: Mapping[tuple[RequestId, int], tuple[int, ...]]
-    cpu_tokens: Mapping[tuple[RequestId, int], tuple[int, ...]]
+    config: SchedulerConfig
+    steps: int
+    arrived: tuple[RequestId, ...]
+    groups: tuple[Group, ...]
+    finished: tuple[RequestId, ...]
+    gpu_tokens: Mapping[SeqId, tuple[int, ...]]
+    cpu_tokens: Mapping[SeqId, tuple[int, ...]]
     gpu_blocks_in_use: int
     cpu_blocks_in_use: int
 
 
 def view(state: SchedulerState) -> View:
     return View(
-        scheduler=attrs.evolve(state, gpu=None, cpu=None),
+        config=state.config,
+        steps=state.steps,
+        arrived=state.arrived,
+        groups=state.groups,
+        finished=state.finished,
         gpu_tokens=dict(state.gpu.tokens),
         cpu_tokens=dict(state.cpu.tokens),
         gpu_blocks_in_use=state.gpu.pool.capacity - state.gpu.pool.num_free,
@@ -417,7 +434,11 @@ def _devices(state: SchedulerState) -> dict[str, ManagerState]:
     return {"gpu": state.gpu, "cpu": state.cpu}
 
 
-@invariant("a device cannot hold more than it has; blocks in use that no table names are memory nobody can use")
+@invariant(
+    "a device cannot hold more than it has; blocks in use that no table names are memory nobody can use",
+    "safety",
+    fails_only_with="a block is in use exactly when a table names it, and tables name only the pool's blocks: both are invariant_refcount_matches_holders on each device",
+)
 def invariant_memory_never_overcommitted(state: SchedulerState) -> str | None:
     for name, manager in _devices(state).items():
         named = {b for t in manager.tables.values() for b in t}
@@ -429,7 +450,10 @@ def invariant_memory_never_overcommitted(state: SchedulerState) -> str | None:
     return None
 
 
-@invariant("blocks a waiting, finished or aborted request still holds are lost to everyone for good")
+@invariant(
+    "blocks a waiting, finished or aborted request still holds are lost to everyone for good",
+    "safety",
+)
 def invariant_no_leak_across_preemption(state: SchedulerState) -> str | None:
     holding = {g.request.request_id for g in state.groups if g.location != "waiting"}
     for name, manager in _devices(state).items():
@@ -443,7 +467,10 @@ def invariant_no_leak_across_preemption(state: SchedulerState) -> str | None:
     return None
 
 
-@invariant("a group's samples share blocks and run together: split across devices, neither half can run")
+@invariant(
+    "a group's samples share blocks and run together: split across devices, neither half can run",
+    "safety",
+)
 def invariant_group_on_one_device(state: SchedulerState) -> str | None:
     for group in state.groups:
         home = DEVICE_OF.get(group.location)
@@ -455,7 +482,11 @@ def invariant_group_on_one_device(state: SchedulerState) -> str | None:
     return None
 
 
-@invariant("a swapped group must come back with exactly the KV it left with, or it continues from corrupt state")
+@invariant(
+    "a swapped group must come back with exactly the KV it left with, or it continues from corrupt state",
+    "safety",
+    fails_only_with="a table reads back its sequence's tokens (invariant_read_back_exact) and those are the group's (invariant_recompute_restores_tokens)",
+)
 def invariant_swap_restores_contents(state: SchedulerState) -> str | None:
     for group in state.groups:
         manager = _devices(state).get(DEVICE_OF.get(group.location, ""))
@@ -469,7 +500,12 @@ def invariant_swap_restores_contents(state: SchedulerState) -> str | None:
     return None
 
 
-@invariant("preemption is invisible to the user: a recomputed request continues with the same tokens")
+@invariant(
+    "preemption is invisible to the user: a recomputed request continues with the same tokens",
+    "safety",
+    fails_only_with="where a model runs, a sequence's tokens are the model's, which restores them by construction: "
+    "other tokens fail invariant_scheduler_refines_spec",
+)
 def invariant_recompute_restores_tokens(state: SchedulerState) -> str | None:
     for group in state.groups:
         manager = _devices(state).get(DEVICE_OF.get(group.location, ""))
@@ -483,14 +519,20 @@ def invariant_recompute_restores_tokens(state: SchedulerState) -> str | None:
     return None
 
 
-@invariant("the oldest request must always make progress; preempting it is what lets a scheduler livelock")
+@invariant(
+    "the oldest request must always make progress; preempting it is what lets a scheduler livelock",
+    "safety",
+)
 def invariant_oldest_never_preempted(before: SchedulerState, report: StepReport) -> str | None:
     if before.groups and any(rid == before.groups[0].request.request_id for rid, _ in report.preempted):
         return f"request {before.groups[0].request.request_id!r}, the earliest unfinished, was preempted"
     return None
 
 
-@invariant("first come, first served: overtaking starves large requests and breaks the deadlock-freedom argument")
+@invariant(
+    "first come, first served: overtaking starves large requests and breaks the deadlock-freedom argument",
+    "convention",
+)
 def invariant_admission_in_arrival_order(after: SchedulerState, report: StepReport) -> str | None:
     arrival = {rid: i for i, rid in enumerate(after.arrived)}
     order = [arrival[rid] for rid in report.admitted]
@@ -502,7 +544,10 @@ def invariant_admission_in_arrival_order(after: SchedulerState, report: StepRepo
     return None
 
 
-@invariant("deadlock freedom: when every request fits alone, each finishes within the bound the spec states")
+@invariant(
+    "deadlock freedom: when every request fits alone, each finishes within the bound the spec states",
+    "safety",
+)
 def invariant_finishes_within_bound(state: SchedulerState, deadlines: Mapping[RequestId, int]) -> str | None:
     for group in state.groups:
         due = deadlines[group.request.request_id]
@@ -511,8 +556,28 @@ def invariant_finishes_within_bound(state: SchedulerState, deadlines: Mapping[Re
     return None
 
 
-@invariant("the implementation must be in exactly the state the specification model predicts")
+@invariant(
+    "the implementation must be in exactly the state the model of its declared conventions predicts",
+    "convention",
+)
 def invariant_scheduler_refines_spec(actual: SchedulerState, expected: SchedulerState) -> str | None:
     if view(actual) != view(expected):
         return diff_states(view(actual), view(expected))
     return None
+
+
+STATE = (
+    InvariantGroup(
+        (
+            invariant_memory_never_overcommitted,
+            invariant_no_leak_across_preemption,
+            invariant_group_on_one_device,
+            invariant_swap_restores_contents,
+            invariant_recompute_restores_tokens,
+            invariant_finishes_within_bound,
+        )
+    )
+    .including(block_manager.STATE, lambda state, deadlines: (state.gpu,))
+    .including(block_manager.STATE, lambda state, deadlines: (state.cpu,))
+)
+"""Every safety rule over a scheduler's snapshot, both devices' managers included; called as (state, deadlines)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvspec.experiments import paged_attention as demos
+from kvspec.spec import block_manager
 from kvspec.spec.invariants import require
 from kvspec.spec.paged_attention import LOGITS_TOLERANCE
 
@@ -23,7 +24,7 @@ def test_ragged_sequences_paged_equals_contiguous() -> None:
 def test_parallel_sampling_copies_and_memory() -> None:
     """Lecture §5.1: a 100-token prompt leaves a half-full block, so n samples copy it n - 1 times."""
     for row in demos.parallel_sampling([2, 5]):
-        require("invariant_parallel_sampling_copies", row["samples"], 100, 16, row["copy_on_write_copies"])
+        require(block_manager.invariant_parallel_sampling_copies, row["samples"], 100, 16, row["copy_on_write_copies"])
         assert row["peak_blocks_shared"] < row["peak_blocks_separate"]
 
 

@@ -14,10 +14,11 @@ import numpy as np
 from kvspec.impl import reference
 from kvspec.impl.attention import OnlineState, PagedLayerKV, merge_block
 from kvspec.impl.block_manager import BlockManager
+from kvspec.impl.broken import caught_by
 from kvspec.impl.paged_kv import PagedKVCache
 from kvspec.spec.block_manager import SeqId
 from kvspec.spec.implementation import Implementation
-from kvspec.spec.paged_attention import KVShape
+from kvspec.spec.paged_attention import KVShape, invariant_paged_equals_contiguous
 
 
 class CopyOnWriteSkipsKV(PagedKVCache):
@@ -56,14 +57,18 @@ def _with_cache(name: str, cache: type[PagedKVCache]) -> Implementation:
     return attrs.evolve(reference(), name=name, paged_kv_cache=cache)
 
 
+@caught_by(invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute")
+@caught_by(invariant_paged_equals_contiguous, "paged attention logits")
 def cow_skips_kv_copy() -> Implementation:
     return _with_cache("broken: copy-on-write skips the KV copy", CopyOnWriteSkipsKV)
 
 
+@caught_by(invariant_paged_equals_contiguous, "paged attention logits")
 def reads_stale_block_table() -> Implementation:
     return _with_cache("broken: attention reads a stale block table", ReadsStaleBlockTable)
 
 
+@caught_by(invariant_paged_equals_contiguous, "paged attention logits")
 def softmax_without_rescale() -> Implementation:
     return _with_cache("broken: online softmax without the rescale", SoftmaxWithoutRescale)
 
@@ -84,5 +89,6 @@ class SwapPairsSortedBlocks(PagedKVCache):
         return mapping
 
 
+@caught_by(invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute")
 def swap_pairs_sorted_blocks() -> Implementation:
     return _with_cache("broken: swap pairs sorted source and destination blocks", SwapPairsSortedBlocks)

@@ -1,4 +1,4 @@
-"""Broken block managers: each breaks one rule of ``kvspec.spec.block_manager`` and must be caught."""
+"""Broken block managers: each breaks a rule of ``kvspec.spec.block_manager`` and declares what catches it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ from collections.abc import Sequence
 
 from kvspec.impl import reference
 from kvspec.impl.block_manager import BlockManager
+from kvspec.impl.broken import caught_by
+from kvspec.spec import block_manager as spec
+from kvspec.spec import block_pool
 from kvspec.spec.block_manager import SeqId, WritePlan
 from kvspec.spec.implementation import Implementation
+from kvspec.spec.invariants import invariant_failed_operation_changes_nothing, invariant_verdict_matches_spec
 
 
 class NoCopyOnWrite(BlockManager):
@@ -35,6 +39,15 @@ class ForkWithoutShare(BlockManager):
         self._require_new(child)
         self._tables[child] = list(table)
         self._tokens[child] = list(self._tokens[parent])
+
+
+class CopiesOnFork(BlockManager):
+    """Copies the child's partial last block when it forks, instead of when either first writes into it."""
+
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        super().fork(parent, child)
+        if len(self._tokens[child]) % self._block_size and self._pool.num_free():
+            self._copy_last_block(child)
 
 
 class ReservesAheadBlock(BlockManager):
@@ -66,25 +79,39 @@ def _with_manager(name: str, manager: type[BlockManager]) -> Implementation:
     return Implementation(name=name, block_pool=reference().block_pool, block_manager=manager)
 
 
+@caught_by(spec.invariant_parallel_sampling_copies, "block manager")
+@caught_by(spec.invariant_copy_on_write_exact, "block manager")
+@caught_by(invariant_verdict_matches_spec, "block manager")
 def no_copy_on_write() -> Implementation:
     return _with_manager("broken: copy-on-write missing", NoCopyOnWrite)
 
 
+@caught_by(spec.invariant_read_back_exact, "block manager")
 def copies_wrong_block() -> Implementation:
     return _with_manager("broken: copy-on-write copies the wrong block", CopiesWrongBlock)
 
 
+@caught_by(block_pool.invariant_refcount_matches_holders, "block manager")
 def fork_without_share() -> Implementation:
     return _with_manager("broken: fork does not increment refcounts", ForkWithoutShare)
 
 
+@caught_by(spec.invariant_table_length_exact, "block manager")
+@caught_by(spec.invariant_waste_bounded, "block manager")
 def reserves_ahead_block() -> Implementation:
     return _with_manager("broken: waste bound broken by reservation", ReservesAheadBlock)
 
 
+@caught_by(spec.invariant_manager_refines_spec, "block manager")
 def frees_first_block_first() -> Implementation:
     return _with_manager("broken: frees a table front to back", FreesFirstBlockFirst)
 
 
+@caught_by(invariant_failed_operation_changes_nothing, "block manager")
 def append_not_atomic() -> Implementation:
     return _with_manager("broken: failed append not rolled back", AppendNotAtomic)
+
+
+@caught_by(spec.invariant_fork_allocates_nothing, "block manager")
+def copies_on_fork() -> Implementation:
+    return _with_manager("broken: copies the partial block at fork", CopiesOnFork)

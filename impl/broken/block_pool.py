@@ -1,16 +1,27 @@
-"""Broken block pools: each breaks one rule of ``kvspec.spec.block_pool`` and must be caught.
+"""Broken block pools: each breaks a rule of ``kvspec.spec.block_pool`` and must be caught.
 
-Every factory returns an ``Implementation`` whose pool is a one-method
-subclass of the reference; the meta-tests name the invariant that catches it.
+Every factory returns an ``Implementation`` whose pool is a small subclass of
+the reference and declares the invariants that catch it.  The last ones
+declare a convention other than the reference's (or that they trust their
+caller), honour it, and then break a safety rule: a declared convention never
+excuses one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
-from kvspec.impl.block_pool import BlockPool
-from kvspec.spec.errors import OutOfBlocks
+from kvspec.impl.block_pool import BlockPool, LRUFreeQueue
+from kvspec.impl.broken import caught_by
+from kvspec.spec import block_pool as spec
+from kvspec.spec.conventions import REFERENCE, Conventions, Policy, PoolConventions
+from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
+from kvspec.spec.invariants import (
+    invariant_failed_operation_changes_nothing,
+    invariant_out_of_contract_call_rejected,
+    invariant_result_matches_spec,
+)
 
 
 class LeaksOnFree(BlockPool):
@@ -76,30 +87,156 @@ class EvictsInUseBlocks(BlockPool):
         return victims
 
 
-def _with_pool(name: str, pool: type[BlockPool]) -> Implementation:
+class RegisterAlwaysSucceeds(BlockPool):
+    """Answers True for a hash it refused: the caller believes its block is cached."""
+
+    def register(self, block: int, block_hash: Hashable) -> bool:
+        super().register(block, block_hash)
+        return True
+
+
+class NumFreeSkipsCachedBlocks(BlockPool):
+    """``num_free()`` counts only the free blocks that carry no hash, as if cached ones were in use."""
+
+    def num_free(self) -> int:
+        return sum(1 for block in self._free if self._hashes[block] is None)
+
+
+class LFUIgnoresHits(BlockPool):
+    """Under LFU a hit is not counted as a use: popular blocks are evicted as if cold."""
+
+    def share(self, blocks: Sequence[int]) -> None:
+        uses = list(self._uses)
+        super().share(blocks)
+        self._uses = uses
+
+
+class HeadQueuesEveryRelease(BlockPool):
+    """vLLM's convention -- a freed block without a hash goes to the head -- applied to every release of such
+    a block, not only the one that frees it: a shared block is queued while still in use."""
+
+    def release(self, blocks: Sequence[int]) -> None:
+        super().release(blocks)
+        assert isinstance(self._free, LRUFreeQueue), "this pool offers LRU only"
+        queue = self._free._queue
+        for block in reversed([b for b in blocks if self._hashes[b] is None]):
+            queue[block] = None
+            queue.move_to_end(block, last=False)
+
+
+class KeepsDuplicatesForgetsBoth(BlockPool):
+    """vLLM's convention -- a second block under a cached hash keeps it too -- but forgetting one of them
+    drops the hash's whole entry, while the other block still carries the hash."""
+
+    def __init__(self, capacity: int, policy: Policy = "lru") -> None:
+        super().__init__(capacity, policy)
+        self._carriers: dict[Hashable, list[int]] = {}
+
+    def register(self, block: int, block_hash: Hashable) -> bool:
+        if super().register(block, block_hash):
+            self._carriers[block_hash] = [block]
+        else:
+            self._hashes[block] = block_hash
+            self._carriers[block_hash].append(block)
+        return True
+
+    def lookup(self, block_hash: Hashable) -> int | None:
+        carriers = self._carriers.get(block_hash)
+        return carriers[0] if carriers else None
+
+    def _forget(self, block: int) -> None:
+        block_hash = self._hashes[block]
+        if block_hash is not None:
+            self._cached.pop(block_hash, None)
+            self._carriers.pop(block_hash, None)
+            self._hashes[block] = None
+
+    def snapshot(self) -> spec.PoolState:
+        carriers = {block_hash: tuple(blocks) for block_hash, blocks in self._carriers.items()}
+        state = super().snapshot()
+        return spec.PoolState(state.capacity, state.refcounts, state.free_queue, state.block_hashes, carriers)
+
+
+class LRUOnly(LeaksOnFree):
+    """Offers LRU alone (and says so); then leaks on free."""
+
+    def __init__(self, capacity: int, policy: Policy = "lru") -> None:
+        if policy != "lru":
+            raise InvalidOperation(f"this pool offers LRU only, not {policy!r}")
+        super().__init__(capacity, policy)
+
+
+def _with_pool(name: str, pool: type[BlockPool], conventions: Conventions = REFERENCE) -> Implementation:
     """A pool alone: the suite runs the reference's other layers on top of it."""
-    return Implementation(name=name, block_pool=pool)
+    return Implementation(name=name, block_pool=pool, conventions=conventions)
 
 
+@caught_by(spec.invariant_refcount_matches_holders, "block pool")
+@caught_by(spec.invariant_no_leak, "block pool")
 def leaks_on_free() -> Implementation:
     return _with_pool("broken: leaks on free", LeaksOnFree)
 
 
+@caught_by(spec.invariant_capacity_conserved, "block pool")
+@caught_by(invariant_out_of_contract_call_rejected, "block pool")
 def accepts_double_free() -> Implementation:
     return _with_pool("broken: accepts double free", AcceptsDoubleFree)
 
 
+@caught_by(spec.invariant_free_queue_exact, "block pool")
 def hit_leaves_block_queued() -> Implementation:
     return _with_pool("broken: a hit leaves the block queued", HitLeavesBlockQueued)
 
 
+@caught_by(invariant_failed_operation_changes_nothing, "block pool")
 def allocate_not_atomic() -> Implementation:
     return _with_pool("broken: failed allocate not rolled back", AllocateNotAtomic)
 
 
+@caught_by(spec.invariant_pool_refines_spec, "block pool")
+@caught_by(spec.invariant_eviction_order, "block pool")
 def evicts_most_recent_first() -> Implementation:
     return _with_pool("broken: wrong end of the free queue", EvictsMostRecentFirst)
 
 
+@caught_by(spec.invariant_in_use_never_reclaimed, "block pool")
 def evicts_in_use_blocks() -> Implementation:
     return _with_pool("broken: evicts in-use cached blocks", EvictsInUseBlocks)
+
+
+@caught_by(invariant_result_matches_spec, "block pool")
+def register_always_succeeds() -> Implementation:
+    return _with_pool("broken: register answers True for a refused hash", RegisterAlwaysSucceeds)
+
+
+@caught_by(spec.invariant_counts_match_snapshot, "block pool")
+def num_free_skips_cached_blocks() -> Implementation:
+    return _with_pool("broken: num_free() leaves out cached free blocks", NumFreeSkipsCachedBlocks)
+
+
+@caught_by(spec.invariant_pool_refines_spec, "block pool")
+def lfu_ignores_hits() -> Implementation:
+    return _with_pool("broken: LFU does not count hits", LFUIgnoresHits)
+
+
+@caught_by(spec.invariant_free_queue_exact, "block pool")
+def head_queues_every_release() -> Implementation:
+    conventions = Conventions(pool=PoolConventions(unhashed_free_position="head", policies=("lru",)))
+    return _with_pool("broken: head of the queue on every release", HeadQueuesEveryRelease, conventions)
+
+
+@caught_by(spec.invariant_hash_map_consistent, "block pool")
+def keeps_duplicates_forgets_both() -> Implementation:
+    conventions = Conventions(pool=PoolConventions(duplicate_hash="keep"))
+    return _with_pool("broken: duplicate hashes kept, then both forgotten", KeepsDuplicatesForgetsBoth, conventions)
+
+
+@caught_by(spec.invariant_no_leak, "block pool")
+def lru_only_leaks() -> Implementation:
+    return _with_pool("broken: LRU only, leaks on free", LRUOnly, Conventions(pool=PoolConventions(policies=("lru",))))
+
+
+@caught_by(spec.invariant_no_leak, "block pool")
+def trusting_leaks_on_free() -> Implementation:
+    """Declares that it trusts its caller -- and leaks on free, which no caller excuses."""
+    return _with_pool("broken: trusts its caller, leaks on free", LeaksOnFree, Conventions(trusts_caller=True))

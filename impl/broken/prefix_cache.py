@@ -1,20 +1,22 @@
-"""Broken prefix caches: each breaks one rule of ``kvspec.spec.prefix_cache`` or ``kvspec.spec.radix_cache``.
+"""Broken prefix caches: each breaks a rule of ``kvspec.spec.prefix_cache`` and declares what catches it.
 
-Every factory returns an ``Implementation`` whose pool, prefix-caching manager
-or radix cache is a small subclass of the reference; the meta-tests name the
-invariant that catches each one.
+Every factory returns an ``Implementation`` whose pool or prefix-caching
+manager is a small subclass of the reference.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from kvspec.impl import reference
 from kvspec.impl.block_pool import BlockPool
+from kvspec.impl.broken import caught_by
 from kvspec.impl.hashing import ROOT, BlockHash, hash_block
 from kvspec.impl.prefix_caching import PrefixCachingBlockManager
-from kvspec.impl.radix_cache import Node, RadixCache
-from kvspec.spec.block_manager import check_tokens
+from kvspec.spec import block_pool
+from kvspec.spec import prefix_cache as spec
+from kvspec.spec.block_manager import SeqId
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.prefix_cache import ExtraKey, max_hit_blocks
 
@@ -71,52 +73,55 @@ class LookupTouchesLRU(PrefixCachingBlockManager):
         return untouched[: max_hit_blocks(len(prompt), self._block_size)]
 
 
-class RadixEvictsLockedPaths(RadixCache):
-    """Ignores lock counts when choosing leaves to evict (SGLang's ``lock_ref`` skipped)."""
+class ReadsWholeBlocksOnly(PrefixCachingBlockManager):
+    """``read`` answers what the cache knows of a sequence -- its full blocks -- and drops the partial tail."""
 
-    def _evictable(self, node: Node) -> bool:
-        return True
-
-
-class RadixMatchIsNotAUse(RadixCache):
-    """A match does not refresh last use, so eviction order follows inserts only."""
-
-    def match_prefix(self, key: Sequence[int]) -> tuple[int, ...]:
-        path = self._walk(check_tokens(key, allow_empty=True))
-        return tuple(v for node in path for v in node.values)
+    def read(self, seq: SeqId) -> tuple[int, ...]:
+        tokens = super().read(seq)
+        return tokens[: len(tokens) // self._block_size * self._block_size]
 
 
-def _with(name: str, **components: object) -> Implementation:
-    return Implementation(name=name, block_pool=components.pop("block_pool", reference().block_pool), **components)
+def _with(name: str, block_pool: Any = None, prefix_caching_manager: Any = None) -> Implementation:
+    base = reference()
+    return Implementation(
+        name=name,
+        block_pool=block_pool or base.block_pool,
+        prefix_caching_manager=prefix_caching_manager,
+    )
 
 
+@caught_by(spec.invariant_hit_is_exact_prefix, "prefix cache")
+@caught_by(block_pool.invariant_hash_map_consistent, "prefix cache")
 def stale_entry_after_reallocation() -> Implementation:
     return _with("broken: stale hash-map entry after reallocation", block_pool=StaleEntryAfterReallocation)
 
 
+@caught_by(spec.invariant_evicts_only_what_is_needed, "prefix cache")
 def evicts_eagerly() -> Implementation:
     return _with("broken: evicts cached blocks before they are needed", block_pool=EvictsEagerly)
 
 
+@caught_by(spec.invariant_hash_change_propagates, "prefix cache")
+@caught_by(spec.invariant_hash_iff_prefix, "prefix cache")
 def unchained_hash() -> Implementation:
     return _with("broken: unchained block hash", prefix_caching_manager=UnchainedHash)
 
 
+@caught_by(spec.invariant_hash_iff_prefix, "prefix cache")
 def ignores_extra_keys() -> Implementation:
     return _with("broken: extra keys ignored", prefix_caching_manager=IgnoresExtraKeys)
 
 
+@caught_by(spec.invariant_hits_stop_at_first_miss, "prefix cache")
 def counts_hits_past_first_miss() -> Implementation:
     return _with("broken: hits counted past the first miss", prefix_caching_manager=CountsHitsPastFirstMiss)
 
 
+@caught_by(block_pool.invariant_eviction_order, "prefix cache")
 def lookup_touches_lru() -> Implementation:
     return _with("broken: LRU touched by a lookup", prefix_caching_manager=LookupTouchesLRU)
 
 
-def radix_evicts_locked_paths() -> Implementation:
-    return _with("broken: radix cache evicts locked paths", radix_cache=RadixEvictsLockedPaths)
-
-
-def radix_match_is_not_a_use() -> Implementation:
-    return _with("broken: radix match does not refresh LRU", radix_cache=RadixMatchIsNotAUse)
+@caught_by(spec.invariant_reuse_preserves_read_back, "prefix cache")
+def reads_whole_blocks_only() -> Implementation:
+    return _with("broken: read drops the partial last block", prefix_caching_manager=ReadsWholeBlocksOnly)

@@ -1,10 +1,13 @@
-"""Broken schedulers: each breaks one rule of ``kvspec.spec.scheduler`` and must be caught."""
+"""Broken schedulers: each breaks a rule of ``kvspec.spec.scheduler`` and declares what catches it."""
 
 from __future__ import annotations
 
 from kvspec.impl import reference
+from kvspec.impl.broken import caught_by
 from kvspec.impl.scheduler import Entry, Scheduler, Tally
+from kvspec.spec import scheduler as spec
 from kvspec.spec.implementation import Implementation
+from kvspec.spec.invariants import invariant_out_of_contract_call_rejected
 from kvspec.spec.scheduler import Request
 
 
@@ -59,25 +62,32 @@ def _with_scheduler(name: str, scheduler: type[Scheduler]) -> Implementation:
     return Implementation(name=name, block_pool=base.block_pool, block_manager=base.block_manager, scheduler=scheduler)
 
 
+@caught_by(spec.invariant_scheduler_refines_spec, "scheduler (recompute)")
+@caught_by(spec.invariant_oldest_never_preempted, "scheduler (recompute)")
 def preempts_oldest() -> Implementation:
     return _with_scheduler("scheduler that preempts the oldest", PreemptsOldest)
 
 
+@caught_by(spec.invariant_group_on_one_device, "scheduler (swap)")
 def swaps_part_of_group() -> Implementation:
     return _with_scheduler("scheduler that swaps part of a group", SwapsPartOfGroup)
 
 
+@caught_by(spec.invariant_no_leak_across_preemption, "scheduler (recompute)")
 def forgets_to_free_on_recompute() -> Implementation:
     return _with_scheduler("scheduler that forgets to free on recompute", ForgetsToFreeOnRecompute)
 
 
+@caught_by(spec.invariant_admission_in_arrival_order, "scheduler (recompute)")
 def admits_out_of_order() -> Implementation:
     return _with_scheduler("scheduler that admits out of order", AdmitsOutOfOrder)
 
 
+@caught_by(invariant_out_of_contract_call_rejected, "scheduler (recompute)")
 def waits_forever_on_too_large() -> Implementation:
     return _with_scheduler("scheduler that queues requests that can never fit", WaitsForeverOnTooLarge)
 
 
+@caught_by(spec.invariant_finishes_within_bound, "scheduler deadlock freedom")
 def never_preempts() -> Implementation:
     return _with_scheduler("scheduler without preemption", NeverPreempts)

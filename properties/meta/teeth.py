@@ -1,27 +1,47 @@
-"""The suite's teeth: a broken implementation must be caught, by the right invariant.
+"""The suite's teeth: every broken member of the zoo is caught, by each invariant it names.
 
+A member of ``impl/broken/`` declares ``@caught_by(invariant, machine)``; the
+proof runs that machine against it checking that invariant *alone*, so the
+invariant is shown able to fail by itself, whatever else the member breaks.
 Meta-tests are derandomized in every profile and stop at the first failing
-example: which invariant fires is then a fixed fact of the suite, and the
-minutes Hypothesis would spend shrinking are saved (users running the suite
-against a broken implementation still get the shrunk sequence).
+example (``DETECTION``): which invariant fires is then a fixed fact of the
+suite, and the minutes Hypothesis would spend shrinking are saved.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from hypothesis import Phase
 from hypothesis import settings as Settings
 
+from kvspec.impl import broken
+from kvspec.impl.broken import Catch
 from kvspec.properties.harness import LockstepMachine, load_implementation, run_machine
+from kvspec.spec.invariants import Invariant
 
 DETECTION = (Phase.explicit, Phase.generate)
 
 
-def assert_caught(machine: type[LockstepMachine], factory: str, invariant: str) -> None:
-    """Run ``machine`` against the broken ``factory``; it must fail on ``invariant``."""
+def zoo() -> list[tuple[str, Catch]]:
+    """Every declaration of every broken member: (``module:factory``, what catches it)."""
+    declared = []
+    for module_info in pkgutil.iter_modules(broken.__path__):
+        module = importlib.import_module(f"{broken.__name__}.{module_info.name}")
+        for name, factory in sorted(vars(module).items()):
+            for catch in getattr(factory, "caught_by", ()):
+                declared.append((f"{module.__name__}:{name}", catch))
+    return declared
+
+
+def assert_caught(machine: type[LockstepMachine], factory: str, rule: Invariant) -> None:
+    """Run ``machine`` against the broken ``factory``, checking ``rule`` alone; it must be violated."""
     settings = Settings(Settings(), derandomize=True, database=None, phases=DETECTION)
-    outcome = run_machine(machine, load_implementation(factory), settings)
-    shown = "\n    ".join(outcome.steps)
-    assert outcome.invariant == invariant, (
-        f"{factory} should violate {invariant}, got {outcome.invariant or 'no violation'}: {outcome.detail}\n    {shown}"
-    )
-    assert outcome.steps, f"{factory}: the violation of {invariant} came without its operation sequence"
+    outcome = run_machine(machine, load_implementation(factory), settings, only=frozenset({rule}))
+    finding = outcome.finding
+    assert finding is not None, f"{factory} should violate {rule.name}; {outcome.runs} runs found nothing"
+    shown = "\n    ".join(finding.steps)
+    got = finding.invariant.name if finding.invariant else "no invariant"
+    assert finding.invariant is rule, f"{factory} should violate {rule.name}, got {got}: {finding.detail}\n    {shown}"
+    assert finding.steps, f"{factory}: the violation of {rule.name} came without its operation sequence"

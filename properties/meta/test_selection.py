@@ -59,11 +59,15 @@ def test_kvspec_check_reports_the_violation_with_its_steps() -> None:
     )
     assert result.returncode == 1, result.stderr
     report = json.loads(result.stdout)
-    violated = {row["invariant"] for row in report["invariants"] if row["verdict"] == "VIOLATED"}
-    assert violated == {"invariant_no_leak"}
-    for violation in report["violations"]:
+    safety = report["tiers"]["safety"]
+    violated = {row["invariant"] for row in safety["invariants"] if row["verdict"] == "VIOLATED"}
+    assert "invariant_no_leak" in violated
+    assert {v["invariant"] for v in safety["violations"]} == violated  # every distinct finding, each once
+    for violation in safety["violations"]:
         assert violation["steps"][0].startswith("pool = block_pool(")
-        assert violation["steps"][-1].startswith("release")
+        assert violation["steps"][-1].startswith("pool.release")
+    reached = [row for tier in report["tiers"].values() for row in tier["invariants"] if row["checks"]]
+    assert all(row["verdict"] != "not reached" for row in reached)
 
 
 def test_kvspec_check_passes_the_reference() -> None:

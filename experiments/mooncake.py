@@ -1,0 +1,190 @@
+"""Lecture §9 (Mooncake): storage for compute, layer-wise prefill, Conductor, early rejection.
+
+``kvspec repro mooncake [--json] [--plot FILE] [--quick]`` prints, every figure computed here:
+
+1. Storage for compute (demo 1, exercises 8-9): per token, the KV bytes, the
+   recompute time on one 8 x A800 node at 60 % of 312 TFLOPS each (matmuls
+   alone, and with causal attention averaged over a prefill of ``CONTEXT``
+   tokens -- OPT-13B capped at its 2,048-token context), the read-back time
+   from each tier and the ratio recompute / read.  Bandwidths are per node:
+   DRAM over PCIe 8 x 25 GB/s = 200 GB/s (the 25 GB/s of lecture §6), RDMA
+   100 GB/s (800 Gbps), one SSD 6 GB/s, four SSDs 24 GB/s (the aggregate
+   assumed; it is the one that gives the lecture's 7x and its 60 ms).
+2. Layer-wise prefill (§9.3): 8,700 tokens, half of them a prefix hit, 80
+   layers; without overlap the hit is loaded and then the rest computed; with
+   overlap layer l computes while layer l + 1 loads (write-back of new KV is
+   asynchronous in both).  The cost model is ``prefix_cache.PrefillModel``.
+3. Conductor (§9.4): see ``kvspec.experiments.mooncake_conductor``.
+4. Early and prediction-based rejection (§9.6): see ``kvspec.experiments.mooncake_rejection``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvspec.experiments import mooncake_conductor as conductor
+from kvspec.experiments import mooncake_rejection as rejection
+from kvspec.experiments import serving
+from kvspec.experiments.prefix_cache import PrefillModel
+from kvspec.experiments.report import emit_json, table
+
+LLAMA_70B = PrefillModel()
+NODE_FLOPS = LLAMA_70B.gpus * LLAMA_70B.peak_flops * LLAMA_70B.utilisation
+CONTEXT = 8_590  # lecture §8.4: the mean input of Mooncake's trace, "about 8.6K"
+TIER_BYTES_PER_S = {
+    "DRAM (PCIe 8 x 25 GB/s)": 200e9,
+    "RDMA 100 GB/s": 100e9,
+    "SSD x1 (6 GB/s)": 6e9,
+    "SSD x4 (24 GB/s)": 24e9,
+}
+SSD_AGGREGATE = "SSD x4 (24 GB/s)"
+# Lecture §9.3 / exercise 8 / pitfall 8: the published per-token ratios and layer-wise times.
+LECTURE_RATIO_70B = {"RDMA 100 GB/s": 28.0, "SSD x1 (6 GB/s)": 1.7, SSD_AGGREGATE: 7.0}
+LECTURE_LAYERWISE_MS = {"full": 870.0, "overlapped": 454.0, "ssd_extra": 60.0}
+
+
+@attrs.frozen
+class ModelShape:
+    name: str
+    kv_bytes_per_token: int
+    matmul_flops_per_token: float
+    layers: int
+    d_model: int
+    context: int
+
+    def recompute_seconds(self, tokens: int = 1) -> float:
+        """Per token, averaged over a prefill of ``tokens``: matmuls plus causal attention."""
+        attention = 4 * self.layers * self.d_model * tokens * (tokens - 1) / 2
+        return (tokens * self.matmul_flops_per_token + attention) / tokens / NODE_FLOPS
+
+
+MODELS = (
+    ModelShape("LLaMA2-70B (GQA)", LLAMA_70B.kv_bytes_per_token, LLAMA_70B.linear_flops_per_token, 80, 8192, CONTEXT),
+    ModelShape(
+        "OPT-13B (MHA)",
+        serving.KV_BYTES_PER_TOKEN,
+        serving.MATMUL_FLOPS_PER_TOKEN,
+        serving.LAYERS,
+        serving.HIDDEN,
+        serving.MAX_LENGTH,
+    ),
+)
+
+
+def storage_for_compute() -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    for shape in MODELS:
+        matmul_s, full_s = shape.recompute_seconds(), shape.recompute_seconds(shape.context)
+        for tier, bandwidth in TIER_BYTES_PER_S.items():
+            read_s = shape.kv_bytes_per_token / bandwidth
+            rows.append(
+                {
+                    "model": shape.name,
+                    "tier": tier,
+                    "kv_bytes": shape.kv_bytes_per_token,
+                    "read_us": read_s * 1e6,
+                    "recompute_us": matmul_s * 1e6,
+                    "recompute_with_attention_us": full_s * 1e6,
+                    "attention_context": shape.context,
+                    "ratio": matmul_s / read_s,
+                    "ratio_with_attention": full_s / read_s,
+                }
+            )
+    bytes_per_flop = {s.name: s.kv_bytes_per_token / s.matmul_flops_per_token for s in MODELS}
+    weakest_70b = min(r["ratio"] for r in rows if r["model"] == MODELS[0].name and r["tier"] != "SSD x1 (6 GB/s)")
+    return {
+        "rows": rows,
+        "bytes_per_flop": bytes_per_flop,
+        "bytes_per_flop_ratio": bytes_per_flop[MODELS[1].name] / bytes_per_flop[MODELS[0].name],
+        "ten_x_from_every_tier": weakest_70b >= 10,
+    }
+
+
+def layer_wise_ms(bandwidth: float, tokens: int = 8_700, hit_share: float = 0.5) -> dict[str, float]:
+    """Prefill of ``tokens`` with ``hit_share`` of them loaded from a tier of ``bandwidth`` B/s."""
+    cached = round(tokens * hit_share)
+    layers = MODELS[0].layers
+    compute = LLAMA_70B.seconds(tokens - cached, cached)
+    load = cached * LLAMA_70B.kv_bytes_per_token / bandwidth
+    per_layer_compute, per_layer_load = compute / layers, load / layers
+    overlapped = per_layer_load + (layers - 1) * max(per_layer_compute, per_layer_load) + per_layer_compute
+    return {
+        "full_prefill_ms": LLAMA_70B.seconds(tokens, 0) * 1e3,
+        "compute_ms": compute * 1e3,
+        "load_ms": load * 1e3,
+        "no_overlap_ms": (load + compute) * 1e3,
+        "overlapped_ms": overlapped * 1e3,
+    }
+
+
+def layer_wise() -> list[dict[str, object]]:
+    return [{"tier": tier, **layer_wise_ms(bandwidth)} for tier, bandwidth in TIER_BYTES_PER_S.items()]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvspec repro mooncake", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the same numbers as JSON")
+    parser.add_argument("--plot", type=Path, help="write the rejection load series here (needs matplotlib)")
+    parser.add_argument("--quick", action="store_true", help="small simulations (what the tests run)")
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {
+        "storage_for_compute": storage_for_compute(),
+        "layer_wise": layer_wise(),
+        "conductor": conductor.experiments(quick=args.quick),
+        "rejection": rejection.experiments(quick=args.quick),
+    }
+    if args.json:
+        emit_json(results)
+    else:
+        print_storage(results["storage_for_compute"], results["layer_wise"])
+        conductor.print_tables(results["conductor"])
+        rejection.print_tables(results["rejection"])
+    if args.plot:
+        done = rejection.plot(results["rejection"], args.plot)
+        print(f"\nplot: {args.plot}" if done else "\nplot skipped: matplotlib is not installed")
+    return 0
+
+
+def print_storage(storage: dict[str, Any], layers: list[dict[str, Any]]) -> None:
+    print(
+        table(
+            ["model", "tier", "KV B/token", "read us", "recompute us", "ratio", "w/ attention us", "ratio w/ attn"],
+            [
+                [
+                    r["model"],
+                    r["tier"],
+                    r["kv_bytes"],
+                    r["read_us"],
+                    r["recompute_us"],
+                    r["ratio"],
+                    r["recompute_with_attention_us"],
+                    r["ratio_with_attention"],
+                ]
+                for r in storage["rows"]
+            ],
+            title="1. Storage for compute, per token on one 8 x A800 node (ratio = recompute / read; > 1: reading is faster)",
+        )
+    )
+    opt, llama = (storage["bytes_per_flop"][s.name] for s in reversed(MODELS))
+    verdict = (
+        "supports section 9.3 ('>= 10x from every tier')"
+        if storage["ten_x_from_every_tier"]
+        else "supports pitfall 8 ('7x from SSD'), not section 9.3's '>= 10x from every tier'"
+    )
+    print(
+        f"KV bytes per matmul FLOP: OPT-13B {opt:.3g}, LLaMA2-70B {llama:.3g}: "
+        f"{storage['bytes_per_flop_ratio']:.1f}x apart.  The model {verdict}."
+    )
+    print()
+    print(
+        table(
+            ["read from", "full prefill ms", "compute ms", "load ms", "no overlap ms", "overlapped ms"],
+            [list(r.values()) for r in layers],
+            title="2. Layer-wise prefill, LLaMA2-70B, 8,700 tokens with half a prefix hit, 80 layers "
+            "(lecture: 870 full, 454 overlapped, SSD +60 ms without overlap)",
+        )
+    )

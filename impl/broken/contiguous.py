@@ -1,0 +1,146 @@
+"""Broken contiguous allocators: each breaks one rule of ``kvspec.spec.contiguous`` and must be caught.
+
+Every factory returns an ``Implementation`` whose allocator is a one-method
+subclass of the reference; the meta-tests name the invariant that catches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvspec.impl import reference
+from kvspec.impl.broken import caught_by
+from kvspec.impl.contiguous import ContiguousAllocator
+from kvspec.spec import contiguous as contiguous_spec
+from kvspec.spec.contiguous import Ledger
+from kvspec.spec.implementation import Implementation
+from kvspec.spec.invariants import invariant_result_matches_spec
+
+
+class CoalescesWithNonBuddy(ContiguousAllocator):
+    """Merges a freed block with the free block just after it when that block is not its buddy."""
+
+    def _return_buddy(self, offset: int, size: int) -> None:
+        after = next((s for s, offsets in self._free_by_size.items() if offset + size in offsets), None)
+        if after is not None and (after != size or offset + size != offset ^ size):
+            self._free_by_size[after].remove(offset + size)
+            self._free_by_size.setdefault(size + after, set()).add(offset)
+            return
+        super()._return_buddy(offset, size)
+
+
+class NeverCoalesces(ContiguousAllocator):
+    """Returns a freed block as it is, leaving its free buddy beside it."""
+
+    def _return_buddy(self, offset: int, size: int) -> None:
+        self._free_by_size.setdefault(size, set()).add(offset)
+
+
+class LeaksOnFree(ContiguousAllocator):
+    """Forgets the region without returning its slots to the free space."""
+
+    def free(self, request_id: int) -> None:
+        self._lookup(request_id)
+        del self._regions[request_id]
+
+
+class OverlappingPlacement(ContiguousAllocator):
+    """Hands out a free block of exactly the right size but leaves it free: the next request gets it too."""
+
+    def _take_buddy(self, size: int) -> int:
+        if self._free_by_size.get(size):
+            return min(self._free_by_size[size])
+        return super()._take_buddy(size)
+
+
+class RoundsDown(ContiguousAllocator):
+    """Gives a buddy region the power of two below the request when the request is not one."""
+
+    def allocate(self, request_id: int, slots: int) -> int:
+        offset = super().allocate(request_id, slots)
+        region = self._regions[request_id]
+        if region.size > slots > 1:
+            region.size //= 2
+            self._return_buddy(offset + region.size, region.size)
+        return offset
+
+
+class PlacesInLastFit(ContiguousAllocator):
+    """First-fit that takes the last hole that fits: safe, but not the placement it declares."""
+
+    def _take_hole(self, size: int) -> int:
+        fitting = [offset for offset in self._hole_offsets if self._hole_sizes[offset] >= size]
+        if len(fitting) > 1:
+            self._hole_offsets.remove(fitting[-1])
+            self._hole_offsets.insert(0, fitting[-1])
+        try:
+            return super()._take_hole(size)
+        finally:
+            self._hole_offsets.sort()
+
+
+class PrefillWritesOneToken(ContiguousAllocator):
+    """Records one token for every write, however many were written: the region looks emptier than it is."""
+
+    def append(self, request_id: int, n: int) -> None:
+        super().append(request_id, min(n, 1) if type(n) is int else n)
+
+
+class LedgerCountsRoundingAsTokens(ContiguousAllocator):
+    """Counts the slots the buddy allocator rounded up as tokens rather than internal fragmentation."""
+
+    def ledger(self, final_lengths: Mapping[int, int]) -> Ledger:
+        honest = super().ledger(final_lengths)
+        rounding = sum(region.size - region.requested for region in self._regions.values())
+        return Ledger(
+            tokens=honest.tokens + rounding,
+            reserved=honest.reserved,
+            internal=honest.internal - rounding,
+            external=honest.external,
+            free=honest.free,
+        )
+
+
+def _with_allocator(name: str, allocator: type[ContiguousAllocator]) -> Implementation:
+    """An allocator alone: the suite runs the reference's other layers beside it."""
+    return Implementation(name=name, block_pool=reference().block_pool, contiguous_allocator=allocator)
+
+
+@caught_by(contiguous_spec.invariant_buddy_blocks_aligned, "contiguous allocators")
+def coalesces_with_non_buddy() -> Implementation:
+    return _with_allocator("broken: coalesces with a non-buddy", CoalescesWithNonBuddy)
+
+
+@caught_by(contiguous_spec.invariant_free_space_coalesced, "contiguous allocators")
+def never_coalesces() -> Implementation:
+    return _with_allocator("broken: never coalesces", NeverCoalesces)
+
+
+@caught_by(contiguous_spec.invariant_slots_conserved, "contiguous allocators")
+def leaks_on_free() -> Implementation:
+    return _with_allocator("broken: leaks a region on free", LeaksOnFree)
+
+
+@caught_by(contiguous_spec.invariant_regions_disjoint, "contiguous allocators")
+def overlapping_placement() -> Implementation:
+    return _with_allocator("broken: places regions over free blocks", OverlappingPlacement)
+
+
+@caught_by(contiguous_spec.invariant_ledger_exact, "contiguous allocators")
+def ledger_counts_rounding_as_tokens() -> Implementation:
+    return _with_allocator("broken: ledger counts rounded-up slots as tokens", LedgerCountsRoundingAsTokens)
+
+
+@caught_by(contiguous_spec.invariant_region_fits, "contiguous allocators")
+def rounds_down() -> Implementation:
+    return _with_allocator("broken: rounds a buddy region down", RoundsDown)
+
+
+@caught_by(invariant_result_matches_spec, "contiguous allocators")
+def places_in_last_fit() -> Implementation:
+    return _with_allocator("broken: first-fit takes the last hole", PlacesInLastFit)
+
+
+@caught_by(contiguous_spec.invariant_arena_refines_spec, "contiguous allocators")
+def prefill_writes_one_token() -> Implementation:
+    return _with_allocator("broken: a write of n tokens records one", PrefillWritesOneToken)

@@ -1,0 +1,130 @@
+"""Layer 6 conformance: contiguous allocators against ``kvspec.spec.contiguous``'s model.
+
+Requests arrive with a prompt and a true output length, reserve slots by the
+machine's reservation (``max`` or ``exact``), write their prompt, decode one
+token at a time and finish; invalid calls (unknown or duplicate requests,
+writing past the reservation, requests no arena could place) are mixed in.
+Tiny arenas make exhaustion and buddy merges common; the A100 arena
+(12,596 slots, OPT-13B's 2,048-token context) shows the realistic shape.
+After every step the arena invariants hold, the allocator's ledger is the
+spec's given each request's true final length, and the state is the model's.
+"""
+
+from __future__ import annotations
+
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, precondition, rule
+
+from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.spec import contiguous as model
+from kvspec.spec.contiguous import PLACEMENTS, RESERVATIONS, Reservation
+
+
+class ContiguousMachine(LockstepMachine):
+    capacities = st.integers(1, 24)
+    max_lengths = st.integers(2, 12)
+
+    @initialize(data=st.data(), placement=st.sampled_from(PLACEMENTS), reservation=st.sampled_from(RESERVATIONS))
+    def start(self, data: st.DataObject, placement: str, reservation: Reservation) -> None:
+        capacity = data.draw(self.capacities, label="capacity")
+        self.max_length = data.draw(self.max_lengths, label="max_length")
+        self.reservation = reservation
+        self.record(f"arena = contiguous_allocator(capacity={capacity}, placement={placement!r})")
+        self.record(f"# reservation {reservation!r}, maximum length {self.max_length}")
+        arena = self.implementation.contiguous_allocator(capacity, placement)
+        self.arena = self.subject("arena", model, model.new_arena(capacity, placement), arena)
+        self.final_lengths: dict[int, int] = {}  # the true final length of each live request
+        self.next_id = 0
+
+    def live(self) -> list[int]:
+        return sorted(self.final_lengths)
+
+    def growing(self) -> list[int]:
+        return [rid for rid in self.live() if self.tokens(rid) < self.final_lengths[rid]]
+
+    def tokens(self, request_id: int) -> int:
+        return next(r.tokens for r in self.arena.model.regions if r.request_id == request_id)
+
+    @rule(data=st.data())
+    def arrive(self, data: st.DataObject) -> None:
+        """Admit a request: reserve its slots, then write its prompt (the prefill)."""
+        final = data.draw(st.integers(2, self.max_length), label="final_length")
+        prompt = data.draw(st.integers(1, final - 1), label="prompt")
+        slots = model.reserved_slots(self.reservation, prompt, final - prompt, self.max_length)
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        if self._allocate(request_id, slots):
+            self.final_lengths[request_id] = final
+            self._append(request_id, prompt)
+
+    @rule(data=st.data())
+    def allocate_any(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from([*self.live(), self.next_id, -1]), label="request")
+        slots = data.draw(st.integers(-1, self.arena.model.capacity + 2), label="slots")
+        if request_id == self.next_id:
+            self.next_id += 1
+        if self._allocate(request_id, slots):
+            self.final_lengths[request_id] = slots
+
+    @rule(data=st.data())
+    def punch_holes(self, data: st.DataObject) -> None:
+        """Small requests side by side, then every other one freed: holes that placement must choose among."""
+        placed = []
+        for _ in range(data.draw(st.integers(2, 4), label="count")):
+            request_id, self.next_id = self.next_id, self.next_id + 1
+            slots = data.draw(st.integers(1, 2), label="slots")
+            if self._allocate(request_id, slots):
+                self.final_lengths[request_id] = slots
+                placed.append(request_id)
+        for request_id in placed[::2]:
+            self.arena("free", request_id)
+            del self.final_lengths[request_id]
+
+    def _allocate(self, request_id: int, slots: int) -> bool:
+        if self.arena("allocate", request_id, slots) is None:
+            return False
+        event(
+            "allocation split a block" if len(self.arena.model.free) > 1 else "allocation left one free block or none"
+        )
+        return True
+
+    @precondition(lambda self: self.growing())
+    @rule(data=st.data())
+    def decode(self, data: st.DataObject) -> None:
+        self._append(data.draw(st.sampled_from(self.growing()), label="request"), 1)
+
+    @rule(data=st.data(), n=st.integers(-1, 4))
+    def append_any(self, data: st.DataObject, n: int) -> None:
+        request_id = data.draw(st.sampled_from([*self.live(), self.next_id]), label="request")
+        if self._append(request_id, n):
+            self.final_lengths[request_id] = max(self.final_lengths[request_id], self.tokens(request_id))
+
+    def _append(self, request_id: int, n: int) -> bool:
+        return self.arena("append", request_id, n) is not None
+
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from([*self.live(), *self.live(), self.next_id]), label="request")
+        if self.arena("free", request_id) is not None:
+            del self.final_lengths[request_id]
+            event("free merged blocks" if len(self.arena.model.free) <= 1 else "free left several free blocks")
+
+    @invariant()
+    def arena_matches_spec(self) -> None:
+        if not hasattr(self, "arena"):
+            return
+        state = self.arena.snapshot()
+        self.check_group(model.ARENA, state)
+        self.check(model.invariant_ledger_exact, self.arena.impl.ledger(self.final_lengths), state, self.final_lengths)
+        self.check(model.invariant_arena_refines_spec, state, self.arena.model)
+
+
+class A100ContiguousMachine(ContiguousMachine):
+    """OPT-13B on an A100-40GB: 12,596 slots (the buddy arena is 8,192 + 4,096 + 256 + 32 + 16 + 4), 2,048 context."""
+
+    capacities = st.just(12_596)
+    max_lengths = st.just(2048)
+
+
+TestContiguous = conformance_test(ContiguousMachine)
+TestA100Contiguous = conformance_test(A100ContiguousMachine, examples=0.2)
