@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvspec.experiments.report import emit_json, table
 from kvspec.impl.attention import contiguous_decode_attention, paged_decode_attention
+from kvspec.report import emit_json, table
 
 
 def elapsed(call: Callable[[], np.ndarray]) -> float:

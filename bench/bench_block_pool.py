@@ -15,10 +15,11 @@ import time
 
 from hypothesis import settings
 
-from kvspec.experiments.report import table
 from kvspec.properties import harness, profiles, suite
+from kvspec.report import table
 
 BLOCKS, BLOCK_SIZE = 4_096, 16
+REFERENCE = harness.load_implementation(harness.REFERENCE)
 
 
 def rate(operation, count: int) -> float:
@@ -28,14 +29,13 @@ def rate(operation, count: int) -> float:
 
 
 def allocate_release(count: int) -> None:
-    pool = harness.implementation_under_test().block_pool(BLOCKS, "lru")
+    pool = REFERENCE.block_pool(BLOCKS, "lru")
     for _ in range(count):
         pool.release(pool.allocate(4)[::-1])
 
 
 def fork_append_free(count: int) -> None:
-    implementation = harness.implementation_under_test()
-    manager = implementation.block_manager(implementation.block_pool(BLOCKS, "lru"), BLOCK_SIZE)
+    manager = REFERENCE.block_manager(REFERENCE.block_pool(BLOCKS, "lru"), BLOCK_SIZE)
     manager.add_sequence("prompt", list(range(100)))
     for i in range(count):
         manager.fork("prompt", i)
@@ -55,7 +55,7 @@ def main() -> int:
     for name, path in suite.MACHINES:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        outcome = harness.run_machine(suite.load_machine(path), harness.implementation_under_test())
+        outcome = harness.run_machine(suite.load_machine(path), REFERENCE)
         seconds = time.perf_counter() - start
         machine_rows.append((name, outcome.steps_explored, seconds, outcome.steps_explored / seconds))
     print(table(["machine (lockstep with the spec)", "steps", "seconds", "steps/s"], machine_rows))

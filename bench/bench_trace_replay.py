@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 
 from kvspec.experiments import trace as traces
-from kvspec.experiments.report import progress
+from kvspec.report import progress
 
 
 def dict_replay(blocks: tuple[tuple[int, ...], ...], capacity: int | None) -> int:

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from kvspec.experiments import serving
-from kvspec.experiments.report import emit_json, progress, table
 from kvspec.impl.contiguous import ContiguousAllocator
+from kvspec.report import emit_json, progress, table
 from kvspec.spec.contiguous import region_size
 from kvspec.spec.errors import KVSpecError, verdict
 

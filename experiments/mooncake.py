@@ -30,7 +30,7 @@ from kvspec.experiments import mooncake_conductor as conductor
 from kvspec.experiments import mooncake_rejection as rejection
 from kvspec.experiments import serving
 from kvspec.experiments.prefix_cache import PrefillModel
-from kvspec.experiments.report import emit_json, table
+from kvspec.report import emit_json, table
 
 LLAMA_70B = PrefillModel()
 NODE_FLOPS = LLAMA_70B.gpus * LLAMA_70B.peak_flops * LLAMA_70B.utilisation

@@ -49,8 +49,8 @@ import numpy as np
 
 from kvspec.experiments import trace as traces
 from kvspec.experiments.prefix_cache import PrefillModel
-from kvspec.experiments.report import progress, table
 from kvspec.impl.block_pool import BlockPool
+from kvspec.report import progress, table
 
 BLOCK = traces.BLOCK_TOKENS
 MODEL = PrefillModel()

@@ -53,7 +53,7 @@ import numpy as np
 from kvspec.experiments import trace as traces
 from kvspec.experiments.mooncake_conductor import within
 from kvspec.experiments.prefix_cache import PrefillModel
-from kvspec.experiments.report import table
+from kvspec.report import table
 
 MODEL = PrefillModel()
 PREFILLS, DECODES, SLOTS, TOKEN_S, TTFT_SLO_S = 8, 8, 32, 0.05, 5.0

@@ -24,11 +24,11 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvspec.experiments.report import emit_json, progress, table
 from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.block_pool import BlockPool
 from kvspec.impl.paged_kv import ContiguousKVCache, PagedKVCache
 from kvspec.impl.tiny_model import ModelConfig, TinyModel, step
+from kvspec.report import emit_json, progress, table
 from kvspec.spec.block_manager import blocks_for
 from kvspec.spec.paged_attention import max_abs_difference
 

@@ -30,11 +30,11 @@ import math
 from collections.abc import Sequence
 
 from kvspec.experiments import serving
-from kvspec.experiments.report import emit_json, progress, table
 from kvspec.experiments.serving import A100_FLOPS, FP16, HIDDEN, LAYERS, MATMUL_FLOPS_PER_TOKEN, UTILISATION
 from kvspec.impl import reference
 from kvspec.impl.broken.scheduler import NeverPreempts
 from kvspec.impl.scheduler import Scheduler
+from kvspec.report import emit_json, progress, table
 from kvspec.spec.scheduler import deadline
 
 PCIE_BYTES_PER_S = 25e9

@@ -22,10 +22,10 @@ import attrs
 import numpy as np
 
 from kvspec.experiments import trace as traces
-from kvspec.experiments.report import emit_json, table
 from kvspec.impl.block_pool import BlockPool
 from kvspec.impl.hashing import chain
 from kvspec.impl.prefix_caching import PrefixCachingBlockManager
+from kvspec.report import emit_json, table
 from kvspec.spec.block_pool import Policy
 from kvspec.spec.prefix_cache import PrefixCachingManager
 

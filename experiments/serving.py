@@ -43,8 +43,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvspec.experiments.report import emit_json, progress, table
 from kvspec.impl import reference
+from kvspec.report import emit_json, progress, table
 from kvspec.spec.contiguous import ContiguousAllocator, Ledger, Placement, Reservation, reserved_slots
 from kvspec.spec.errors import OutOfBlocks
 from kvspec.spec.implementation import Implementation

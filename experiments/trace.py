@@ -26,8 +26,8 @@ from typing import Any
 
 import attrs
 
-from kvspec.experiments.report import emit_json, progress, table
 from kvspec.impl.block_pool import BlockPool
+from kvspec.report import emit_json, progress, table
 from kvspec.spec.block_pool import POLICIES, Policy
 
 DATA = Path(__file__).parent / "data"

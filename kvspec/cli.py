@@ -31,8 +31,8 @@ REPRO = {
 
 def check(argv: Sequence[str]) -> int:
     from kvspec.conformance import report_progress, run_conformance
-    from kvspec.experiments.report import emit_json
     from kvspec.properties import harness, profiles, suite
+    from kvspec.report import emit_json
 
     parser = argparse.ArgumentParser(prog="kvspec check", description="Conformance verdict for an implementation.")
     parser.add_argument(

@@ -39,8 +39,8 @@ from typing import Any
 import attrs
 from hypothesis import settings as Settings
 
-from kvspec.experiments.report import table
 from kvspec.properties import harness, profiles, suite
+from kvspec.report import table
 from kvspec.spec.conventions import Conventions
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import REGISTRY, TIERS, Invariant
