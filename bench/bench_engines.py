@@ -23,9 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvspec.adapters import importable
-from kvspec.experiments.report import table
 from kvspec.impl.block_pool import BlockPool
 from kvspec.impl.radix_cache import RadixCache
+from kvspec.report import table
 
 BLOCKS = 4_096
 BUDGET = 4_096  # tokens the radix tree is kept within under eviction pressure

@@ -149,3 +149,38 @@ def test_sglang_trusts_its_caller_with_an_unlock_underflow(sglang_implementation
     cache.lock([1, 2])
     assert cache.protected_size() == 0
     assert cache.evict(2) == (20, 10)  # a locked request's KV, freed
+
+
+# -- the published verdicts (docs/engines.md: kvspec engines kvspec.adapters.vllm:factory kvspec.adapters.sglang:factory)
+
+
+def caller_contract_operations(verdict) -> set[str]:
+    return {v.operation for v in verdict.violations if v.tier == "caller contract"}
+
+
+def held_safety_rules(verdict, layer: str) -> set[str]:
+    return {r.invariant for r in verdict.rules if r.tier == "safety" and r.layer == layer and r.verdict == "held"}
+
+
+@needs_vllm
+def test_vllm_verdict_safety_held_five_caller_contract_findings():
+    from kvspec.conformance import run_conformance
+
+    verdict = run_conformance("kvspec.adapters.vllm:factory", layers=["block pool"], profile="ci")
+    assert verdict.conforms, str(verdict)
+    assert not [v for v in verdict.violations if v.tier != "caller contract"], str(verdict)
+    assert caller_contract_operations(verdict) == {"allocate", "evict", "register", "release", "share"}
+    pool_safety = {r.invariant for r in verdict.rules if r.tier == "safety" and r.layer == "block_pool"}
+    assert held_safety_rules(verdict, "block_pool") == pool_safety and pool_safety
+
+
+@needs_sglang
+def test_sglang_verdict_safety_held_three_caller_contract_findings():
+    from kvspec.conformance import run_conformance
+
+    verdict = run_conformance("kvspec.adapters.sglang:factory", layers=["radix"], profile="ci")
+    assert verdict.conforms, str(verdict)
+    assert not [v for v in verdict.violations if v.tier != "caller contract"], str(verdict)
+    assert caller_contract_operations(verdict) == {"evict", "insert", "unlock"}
+    radix_safety = {r.invariant for r in verdict.rules if r.tier == "safety" and r.layer == "radix_cache"}
+    assert held_safety_rules(verdict, "radix_cache") == radix_safety and radix_safety

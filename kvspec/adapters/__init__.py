@@ -12,8 +12,9 @@ The engines are imported lazily, when a factory is called: importing kvspec
 never needs them.  Install them apart from kvspec's core install, with the
 pinned lists next to this file (``requirements-vllm.txt``,
 ``requirements-sglang.txt``) and ``install-engines.sh``; the README gives the
-commands.  ``python -m kvspec.adapters.report`` runs both verdicts and writes
-``docs/engines.md``.
+commands.  ``kvspec engines kvspec.adapters.vllm:factory kvspec.adapters.sglang:factory``
+runs both verdicts and writes ``docs/engines.md``; ``IN_PRODUCTION`` in each
+module says what each caller-contract finding means in production.
 """
 
 from __future__ import annotations
