@@ -127,7 +127,7 @@ def exercise_12(max_steps: int = 100) -> dict:
     """Two requests that fit alone (6 of 8 blocks at their longest) but not together."""
     requests = [serving.request(i, 12, 12) for i in range(2)]
     impl = reference()
-    assert impl.block_manager is not None  # the reference provides every component
+    assert impl.block_manager is not None and impl.block_pool is not None  # the reference provides every component
     outcomes = []
     for name, scheduler_class in (("no preemption", NeverPreempts), ("FCFS preemption", Scheduler)):
         scheduler = scheduler_class(

@@ -142,7 +142,7 @@ class PagedServer:
         self, slots: int = KV_SLOTS, block_size: int = BLOCK_SIZE, implementation: Implementation | None = None
     ) -> None:
         impl = (implementation or reference()).complete_with(reference())
-        assert impl.scheduler is not None and impl.block_manager is not None
+        assert impl.scheduler is not None and impl.block_manager is not None and impl.block_pool is not None
         self.slots, self.block_size = slots, block_size
         blocks = slots // block_size
         self.scheduler: Scheduler = impl.scheduler(

@@ -47,6 +47,7 @@ from kvspec.spec.invariants import REGISTRY, TIERS, Invariant
 
 ROUNDS = 6  # runs of one machine: the first, then one per new finding
 NOT_REACHED, HELD, VIOLATED = "not reached", "held", "VIOLATED"
+BORROWED_ONLY = "not counted: it calls only components borrowed from the reference"
 
 
 @attrs.frozen
@@ -181,6 +182,22 @@ def resolve(factory: str | Callable[[], Implementation] | Implementation) -> tup
     return path, implementation.complete_with(harness.load_implementation(harness.REFERENCE))
 
 
+def watch(implementation: Implementation, used: set[str]) -> Implementation:
+    """``implementation`` with each component it brought noting in ``used`` when a machine calls it."""
+
+    def noting(name: str, factory: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            used.add(name)
+            return factory(*args, **kwargs)
+
+        return call
+
+    noted: dict[str, Any] = {
+        name: noting(name, getattr(implementation, name)) for name in implementation.own_components()
+    }
+    return attrs.evolve(implementation, **noted)
+
+
 def run_conformance(
     factory: str | Callable[[], Implementation] | Implementation,
     layers: Iterable[str] | None = None,
@@ -203,9 +220,14 @@ def run_conformance(
         spared: frozenset[str] = frozenset()
         runs = examples = steps = findings = 0
         ended = "budget spent"
+        used: set[str] = set()
+        watched = watch(implementation, used)
         while runs < ROUNDS:
-            outcome = harness.run_machine(machine, implementation, base, known=known, spared=spared)
+            outcome = harness.run_machine(machine, watched, base, known=known, spared=spared)
             runs, examples, steps = runs + 1, examples + outcome.runs, steps + outcome.steps_explored
+            if not used:
+                ended = BORROWED_ONLY  # what it checked is the reference's verdict, not this implementation's
+                break
             checks.update(outcome.checks)
             finding = outcome.finding
             if finding is None:

@@ -5,11 +5,14 @@ Rules:
 * An implementation is named by ``module:factory``; the factory takes no
   arguments and returns an ``Implementation``.  ``pytest --kv-impl=...``,
   ``KVSPEC_IMPL=...`` and ``kvspec check --impl ...`` all take that form.
-* ``block_pool`` is required: ``block_pool(capacity, policy)`` returns a
-  ``kvspec.spec.block_pool.BlockPool``.  Every other component is optional; one left
-  as ``None`` is taken from the reference implementation and run on top of
-  this implementation's pool -- so an alternative allocator alone is enough
-  to run every machine.
+* Every component is optional; one left as ``None`` is *borrowed* from the
+  reference implementation and run on top of this implementation's own
+  components -- so an alternative allocator alone (``block_pool(capacity,
+  policy)`` returning a ``kvspec.spec.block_pool.BlockPool``) is enough to
+  run every machine, and a radix cache alone runs the radix machines.
+* A verdict counts only the machines that call at least one component the
+  implementation brought: what a machine learns of borrowed components alone
+  is the reference's verdict, not this implementation's.
 * ``block_manager(pool, block_size)`` returns a ``kvspec.spec.block_manager.BlockManager``.
 * Later layers add their own factories here, each documented in the spec
   module that defines its protocol (layer 5's ``paged_kv_cache``,
@@ -34,7 +37,7 @@ class Implementation:
     """Factories for each layer; ``None`` means "use the reference's on top of my pool"."""
 
     name: str
-    block_pool: Callable[[int, Policy], BlockPool]
+    block_pool: Callable[[int, Policy], BlockPool] | None = None
     conventions: Conventions = Conventions()  # see spec.conventions: the engine's legitimate choices
     block_manager: Callable[[BlockPool, int], BlockManager] | None = None
     prefix_caching_manager: Callable[..., Any] | None = None  # see spec.prefix_cache
@@ -50,6 +53,8 @@ class Implementation:
     )
     kv_store: Callable[..., Any] | None = None  # kv_store(nodes, capacities, policies): see spec.kv_store
 
+    borrowed: frozenset[str] = frozenset()  # the components complete_with took from the reference
+
     def complete_with(self, reference: Implementation) -> Implementation:
         """Fill every component this implementation leaves out from ``reference``."""
         filled = {
@@ -57,4 +62,12 @@ class Implementation:
             for field in attrs.fields(Implementation)
             if getattr(self, field.name) is None
         }
-        return attrs.evolve(self, **filled)
+        return attrs.evolve(self, borrowed=self.borrowed | frozenset(filled), **filled)
+
+    def own_components(self) -> frozenset[str]:
+        """The factories this implementation brought itself."""
+        return frozenset(
+            field.name
+            for field in attrs.fields(Implementation)
+            if callable(getattr(self, field.name)) and field.name not in self.borrowed
+        )

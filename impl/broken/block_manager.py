@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvspec.impl import reference
 from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.broken import caught_by
 from kvspec.spec import block_manager as spec
@@ -68,6 +67,16 @@ class FreesFirstBlockFirst(BlockManager):
         del self._tables[seq], self._tokens[seq]
 
 
+class KeepsPromptBuffer(BlockManager):
+    """Keeps the caller's prompt list as the sequence's tokens instead of a copy, and appends to it."""
+
+    def add_sequence(self, seq: SeqId, prompt: Sequence[int]) -> WritePlan:
+        plan = super().add_sequence(seq, prompt)
+        if isinstance(prompt, list):
+            self._tokens[seq] = prompt
+        return plan
+
+
 class AppendNotAtomic(BlockManager):
     """Writes as far as the free blocks go before running out."""
 
@@ -76,7 +85,7 @@ class AppendNotAtomic(BlockManager):
 
 
 def _with_manager(name: str, manager: type[BlockManager]) -> Implementation:
-    return Implementation(name=name, block_pool=reference().block_pool, block_manager=manager)
+    return Implementation(name=name, block_manager=manager)
 
 
 @caught_by(spec.invariant_parallel_sampling_copies, "block manager")
@@ -115,3 +124,8 @@ def append_not_atomic() -> Implementation:
 @caught_by(spec.invariant_fork_allocates_nothing, "block manager")
 def copies_on_fork() -> Implementation:
     return _with_manager("broken: copies the partial block at fork", CopiesOnFork)
+
+
+@caught_by(spec.invariant_read_back_exact, "block manager")
+def keeps_prompt_buffer() -> Implementation:
+    return _with_manager("broken: keeps an alias of the caller's prompt list", KeepsPromptBuffer)

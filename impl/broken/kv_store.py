@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from kvspec.impl.block_pool import BlockPool
 from kvspec.impl.broken import caught_by
 from kvspec.impl.kv_store import Block, KVStore, Node
 from kvspec.spec import kv_store as store_spec
@@ -66,8 +65,88 @@ class LookupNamesDeadNode(KVStore):
         return (self._nodes[node] or self._ghosts[node]).blocks[key].tier
 
 
+class DirectoryMissesDemotions(KVStore):
+    """The directory records a copy's tier when the copy is written or promoted; the demotion
+    cascade moves blocks down on the node without telling it, so lookups name the old tier."""
+
+    def _insert(self, index: int, node: Node, key: Hashable, block: Block) -> None:
+        super()._insert(index, node, key, block)
+        self._placed = {**getattr(self, "_placed", {}), (index, key): block.tier}
+
+    def _promote(self, index: int, node: Node, key: Hashable) -> bool:
+        promoted = super()._promote(index, node, key)
+        if promoted:
+            self._placed[(index, key)] = 0
+        return promoted
+
+    def _tier_of(self, node: int, key: Hashable) -> int:
+        return self._placed[(node, key)]
+
+
+class FaultDropsTheDeadNodesKeys(KVStore):
+    """A node fault removes the directory entries of every key the node held -- and with them the
+    surviving replicas, as if a key lived on one node only."""
+
+    def fail(self, node: int) -> None:
+        here = self._node(node)
+        for key in list(here.blocks):
+            for holder in sorted(self._directory.get(key, ())):
+                self._drop(holder, self._node(holder), key)
+        self._nodes[node] = None
+
+
+class PromotesStaleBackingCopy(KVStore):
+    """Write-through to a backing tier, skipped when the backing tier already holds the key (keys are
+    taken for content hashes); promotion reloads the backing copy -- so a re-put is lost once the block
+    has gone down a tier and come back."""
+
+    def _insert(self, index: int, node: Node, key: Hashable, block: Block) -> None:
+        super()._insert(index, node, key, block)
+        self._backing = getattr(self, "_backing", {})
+        self._backing.setdefault((index, key), block.tokens)
+
+    def _promote(self, index: int, node: Node, key: Hashable) -> bool:
+        promoted = super()._promote(index, node, key)
+        if promoted:
+            node.blocks[key].tokens = self._backing[(index, key)]
+        return promoted
+
+    def _drop(self, index: int, node: Node, key: Hashable) -> None:
+        super()._drop(index, node, key)
+        self._backing.pop((index, key), None)
+
+
+class ReadsTheSwappedBuffer(KVStore):
+    """A promoting ``get`` swaps the copy with the GPU tier's victim, then answers from the buffer the
+    copy was read from -- which the swap has just filled with the demoted victim."""
+
+    def get(self, node: int, key: Hashable) -> Tokens | None:
+        here = self._node(node)
+        block = here.blocks.get(key)
+        if block is None or block.pins or block.tier == 0:
+            return super().get(node, key)
+        gpu = set(here.tiers[0])
+        tokens = super().get(node, key)
+        swapped = sorted(gpu - here.tiers[0], key=repr)
+        return here.blocks[swapped[0]].tokens if swapped and swapped[0] in here.blocks else tokens
+
+
+class GetIsNotAUse(KVStore):
+    """A hit promotes the copy but does not touch its recency or count, so the block a request
+    just read is the first one LRU (and LFU) evicts."""
+
+    def get(self, node: int, key: Hashable) -> Tokens | None:
+        here = self._node(node)
+        block = here.blocks.get(key)
+        if block is None:
+            return None
+        if not block.pins and block.tier != 0:
+            self._promote(node, here, key)
+        return block.tokens
+
+
 def _with_store(name: str, store: type[KVStore]) -> Implementation:
-    return Implementation(name=name, block_pool=BlockPool, kv_store=store)
+    return Implementation(name=name, kv_store=store)
 
 
 @caught_by(store_spec.invariant_demotion_keeps_the_block, "tiered KV store (node faults)")
@@ -93,3 +172,29 @@ def capacity_per_node() -> Implementation:
 @caught_by(store_spec.invariant_lookup_names_live_holders, "tiered KV store (node faults)")
 def lookup_names_dead_node() -> Implementation:
     return _with_store("broken: lookups keep naming a failed node", LookupNamesDeadNode)
+
+
+@caught_by(store_spec.invariant_directory_exact, "tiered KV store (node faults)")
+def directory_misses_demotions() -> Implementation:
+    return _with_store("broken: the directory misses demotions", DirectoryMissesDemotions)
+
+
+@caught_by(store_spec.invariant_fault_loses_only_the_node, "tiered KV store (node faults)")
+def fault_drops_the_dead_nodes_keys() -> Implementation:
+    return _with_store("broken: a fault drops every replica of the dead node's keys", FaultDropsTheDeadNodesKeys)
+
+
+@caught_by(store_spec.invariant_get_returns_put, "tiered KV store (node faults)")
+def promotes_stale_backing_copy() -> Implementation:
+    return _with_store("broken: promotion reloads a stale backing copy", PromotesStaleBackingCopy)
+
+
+@caught_by(store_spec.invariant_request_reads_its_tokens, "tiered KV store (node faults)")
+@caught_by(store_spec.invariant_get_returns_put, "tiered KV store (node faults)")
+def reads_the_swapped_buffer() -> Implementation:
+    return _with_store("broken: a promoting get reads the buffer it swapped out", ReadsTheSwappedBuffer)
+
+
+@caught_by(store_spec.invariant_store_refines_spec, "tiered KV store (node faults)")
+def get_is_not_a_use() -> Implementation:
+    return _with_store("broken: a get is not counted as a use", GetIsNotAUse)

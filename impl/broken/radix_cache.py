@@ -13,7 +13,6 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 
-from kvspec.impl import reference
 from kvspec.impl.broken import caught_by
 from kvspec.impl.radix_cache import Node, RadixCache
 from kvspec.spec import block_pool
@@ -22,6 +21,7 @@ from kvspec.spec.block_manager import check_tokens
 from kvspec.spec.conventions import Conventions, RadixConventions
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.implementation import Implementation
+from kvspec.spec.prefix_cache import ExtraKey
 
 
 def evict_leaves(cache: RadixCache, num_tokens: int, whole: bool, evictable: Callable[[Node], bool]) -> tuple[int, ...]:
@@ -60,16 +60,16 @@ class RadixEvictsLockedPaths(RadixCache):
 class RadixMatchIsNotAUse(RadixCache):
     """A match does not refresh last use, so eviction order follows inserts only."""
 
-    def match_prefix(self, key: Sequence[int]) -> tuple[int, ...]:
-        path = self._walk(check_tokens(key, allow_empty=True))
+    def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
+        path = self._walk(self._named(check_tokens(key, allow_empty=True), extra_key))
         return tuple(v for node in path for v in node.values)
 
 
 class MatchDropsLastToken(RadixCache):
     """An off-by-one: a match answers all but the last matched token's value."""
 
-    def match_prefix(self, key: Sequence[int]) -> tuple[int, ...]:
-        return super().match_prefix(key)[:-1]
+    def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
+        return super().match_prefix(key, extra_key)[:-1]
 
 
 class ProtectedCountsEveryLock(RadixCache):
@@ -86,17 +86,22 @@ class EvictsOneTokenPerCall(RadixCache):
         return super().evict(min(num_tokens, 1) if isinstance(num_tokens, int) and num_tokens >= 0 else num_tokens)
 
 
-class WholeLeaves(RadixCache):
+class SplitsOnlyWhatItLocks(RadixCache):
+    """Refuses an uncached key before walking: a refused lock must not split a node, which whole-leaf eviction
+    and per-node recency see."""
+
+    def lock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None:
+        named = self._named(check_tokens(key, allow_empty=False), extra_key, whole_pages=True)
+        if named not in self.snapshot().values:
+            raise InvalidOperation(f"cannot lock {tuple(key)}: it is not cached")
+        super().lock(key, extra_key)
+
+
+class WholeLeaves(SplitsOnlyWhatItLocks):
     """SGLang's eviction: whole unlocked leaf nodes, least recently used first, until enough are gone."""
 
     def evict(self, num_tokens: int) -> tuple[int, ...]:
         return evict_leaves(self, num_tokens, whole=True, evictable=lambda node: not node.lock_ref)
-
-    def lock(self, key: Sequence[int]) -> None:
-        """Refuse an uncached key before walking: a refused lock must not split a node, which eviction would see."""
-        if check_tokens(key, allow_empty=False) not in self.snapshot().values:
-            raise InvalidOperation(f"cannot lock {tuple(key)}: it is not cached")
-        super().lock(key)
 
 
 class WholeLeavesIgnoringLocks(RadixCache):
@@ -106,32 +111,43 @@ class WholeLeavesIgnoringLocks(RadixCache):
         return evict_leaves(self, num_tokens, whole=True, evictable=lambda node: True)
 
 
-class PerNodeRecency(RadixCache):
-    """SGLang's recency: a walk stamps each node it visits, whole, and only then splits the last one."""
+class PerNodeRecency(SplitsOnlyWhatItLocks):
+    """SGLang's recency: a walk stamps each node it visits, whole, and only then splits the last one; the upper
+    part a split cuts off is stamped when it is cut."""
 
-    def _stamp_visited(self, key: Sequence[int]) -> None:
-        node, depth, now = self._root, 0, next(self._clock)
+    def _stamp_visited(self, key: Sequence[int], extra_key: ExtraKey) -> None:
+        key, node, depth, now = (
+            self._named(check_tokens(key, allow_empty=True), extra_key),
+            self._root,
+            0,
+            next(self._clock),
+        )
         while depth < len(key) and key[depth] in node.children:
             node = node.children[key[depth]]
             node.last_use = now
             depth += len(node.key)
         self._push_if_evictable(node)  # its tail, once split off, is a leaf stamped now
 
-    def match_prefix(self, key: Sequence[int]) -> tuple[int, ...]:
-        self._stamp_visited(check_tokens(key, allow_empty=True))
-        return super().match_prefix(key)
+    def _split(self, node: Node, at: int) -> Node:
+        upper = super()._split(node, at)
+        upper.last_use = next(self._clock)
+        return upper
 
-    def insert(self, key: Sequence[int], values: Sequence[int]) -> int:
-        self._stamp_visited(check_tokens(key, allow_empty=True))
-        return super().insert(key, values)
+    def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
+        self._stamp_visited(key, extra_key)
+        return super().match_prefix(key, extra_key)
+
+    def insert(self, key: Sequence[int], values: Sequence[int], extra_key: ExtraKey = None) -> int:
+        self._stamp_visited(key, extra_key)
+        return super().insert(key, values, extra_key)
 
 
 class PerNodeMatchReadsWholeNode(PerNodeRecency):
     """Per-node recency, and a match that answers the values of every node it visits, whole."""
 
-    def match_prefix(self, key: Sequence[int]) -> tuple[int, ...]:
-        key = check_tokens(key, allow_empty=True)
-        self._stamp_visited(key)
+    def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
+        self._stamp_visited(key, extra_key)
+        key = self._named(check_tokens(key, allow_empty=True), extra_key)
         node, depth, values = self._root, 0, list[int]()
         while depth < len(key) and key[depth] in node.children:
             node = node.children[key[depth]]
@@ -143,24 +159,25 @@ class PerNodeMatchReadsWholeNode(PerNodeRecency):
 class LockByHandle(RadixCache):
     """SGLang's locks: on the node a match of the key ends at; the root (no cached prefix) is a no-op."""
 
-    def lock(self, key: Sequence[int]) -> None:
-        path = self._walk(check_tokens(key, allow_empty=True))
+    def lock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None:
+        named = self._named(check_tokens(key, allow_empty=True), extra_key)
+        path = self._walk(named)
         if not path:
             return
         for node in path:
             if node.lock_ref == 0:
                 self._protected += len(node.key)
             node.lock_ref += 1
-        self._locks[tuple(key[: sum(len(node.key) for node in path)])] += 1
+        self._locks[named[: self._depth_of(path)]] += 1
 
-    def unlock(self, key: Sequence[int]) -> None:
-        path = self._walk(check_tokens(key, allow_empty=True))
-        locked = tuple(key[: sum(len(node.key) for node in path)])
+    def unlock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None:
+        path = self._walk(self._named(check_tokens(key, allow_empty=True), extra_key))
         if not path:
             return
-        if not self._locks.get(locked):
-            raise InvalidOperation(f"cannot unlock {locked}: it holds no lock")
-        super().unlock(locked)
+        depth = self._depth_of(path)
+        if not self._locks.get(self._named(tuple(key[:depth]), extra_key)):
+            raise InvalidOperation(f"cannot unlock {tuple(key[:depth])}: it holds no lock")
+        super().unlock(key[:depth], extra_key)
 
 
 class HandleLockLostInSplit(LockByHandle):
@@ -174,7 +191,7 @@ class HandleLockLostInSplit(LockByHandle):
 
 def _with_radix(name: str, radix: type[RadixCache], **conventions: object) -> Implementation:
     declared = Conventions(radix=RadixConventions(**conventions))  # type: ignore[arg-type]
-    return Implementation(name=name, block_pool=reference().block_pool, radix_cache=radix, conventions=declared)
+    return Implementation(name=name, radix_cache=radix, conventions=declared)
 
 
 @caught_by(spec.invariant_radix_refines_spec, "radix cache")

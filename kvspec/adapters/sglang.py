@@ -234,18 +234,11 @@ def factory_with_page_size(page_size: int) -> Callable[[], Implementation]:
         name = f"SGLang {engine_version()} RadixCache" + (f" (page size {page_size})" if page_size != 1 else "")
         return Implementation(
             name=name,
-            block_pool=_reference_block_pool,
             radix_cache=functools.partial(SglangRadixCache, page_size),
             conventions=conventions(page_size),
         )
 
     return factory
-
-
-def _reference_block_pool(capacity: int, policy: Any) -> Any:
-    from kvspec.impl.block_pool import BlockPool
-
-    return BlockPool(capacity, policy)
 
 
 factory = factory_with_page_size(1)
