@@ -11,6 +11,7 @@ from kvspec.impl.paged_kv import ContiguousKVCache, PagedKVCache
 from kvspec.impl.prefix_caching import PrefixCachingBlockManager
 from kvspec.impl.radix_cache import RadixCache
 from kvspec.impl.scheduler import Scheduler
+from kvspec.impl.sliding_window import SlidingWindowManager
 from kvspec.impl.tiny_model import ModelConfig, TinyModel
 from kvspec.spec.implementation import Implementation
 
@@ -30,4 +31,5 @@ def reference() -> Implementation:
         radix_cache=RadixCache,
         scheduler=Scheduler,
         kv_store=KVStore,
+        sliding_window_manager=SlidingWindowManager,
     )

@@ -4,7 +4,9 @@ A subclass of the reference ``BlockManager``: admission looks the prompt's
 chained hashes up in the pool's hash map and shares the leading run of hits;
 ``_block_filled`` registers each block under its hash the moment it fills.
 Each sequence keeps the hashes of its full blocks, so a fill hashes one block
-(chained on the previous hash) instead of the whole prefix.
+(chained on the previous hash) instead of the whole prefix.  Under
+``commit="after_forward"`` a filled block's (block, hash) waits in its
+sequence's pending list until ``commit``; ``free`` drops the list (an abort).
 """
 
 from __future__ import annotations
@@ -17,17 +19,21 @@ from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.hashing import ROOT, BlockHash, hash_block
 from kvspec.spec.block_manager import SeqId, WritePlan, blocks_for, check_tokens
 from kvspec.spec.block_pool import BlockPool as BlockPoolProtocol
-from kvspec.spec.errors import OutOfBlocks
-from kvspec.spec.prefix_cache import ExtraKey, check_extra_key, max_hit_blocks
+from kvspec.spec.errors import InvalidOperation, OutOfBlocks
+from kvspec.spec.prefix_cache import COMMITS, Commit, ExtraKey, check_extra_key, max_hit_blocks
 
 
 class PrefixCachingBlockManager(BlockManager):
     """Block tables whose full blocks are cached in the pool under chained hashes."""
 
-    def __init__(self, pool: BlockPoolProtocol, block_size: int) -> None:
+    def __init__(self, pool: BlockPoolProtocol, block_size: int, commit: Commit = "on_fill") -> None:
         super().__init__(pool, block_size)
+        if commit not in COMMITS:
+            raise InvalidOperation(f"unknown commit point {commit!r}; choose from {COMMITS}")
+        self._commit_on_fill = commit == "on_fill"
         self._extra_keys: dict[SeqId, ExtraKey] = {}
         self._chains: dict[SeqId, list[BlockHash]] = {}
+        self._pending: dict[SeqId, list[tuple[int, BlockHash]]] = {}
 
     def block_hashes(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[BlockHash, ...]:
         tokens, extra_key = check_tokens(tokens, allow_empty=True), check_extra_key(extra_key)
@@ -68,10 +74,18 @@ class PrefixCachingBlockManager(BlockManager):
     def fork(self, parent: SeqId, child: SeqId) -> None:
         super().fork(parent, child)
         self._extra_keys[child], self._chains[child] = self._extra_keys[parent], list(self._chains[parent])
+        self._pending[child] = list(self._pending.get(parent, ()))
 
     def free(self, seq: SeqId) -> None:
         super().free(seq)
         del self._extra_keys[seq], self._chains[seq]
+        self._pending.pop(seq, None)
+
+    def commit(self, seq: SeqId) -> None:
+        self._table(seq)
+        for block, block_hash in self._pending.pop(seq, ()):
+            if self._pool.lookup(block_hash) != block:
+                self._pool.register(block, block_hash)
 
     def move_sequences(self, dst: BlockManager, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]:
         keys = {seq: (self._extra_keys.get(seq), list(self._chains.get(seq, []))) for seq in seqs}
@@ -97,4 +111,7 @@ class PrefixCachingBlockManager(BlockManager):
         parent = chain[index - 1] if index else ROOT
         block_hash = self._hash(parent, self._tokens[seq][index * size : (index + 1) * size], self._extra_keys[seq])
         chain.append(block_hash)
-        self._pool.register(self._tables[seq][index], block_hash)
+        if self._commit_on_fill:
+            self._pool.register(self._tables[seq][index], block_hash)
+        else:
+            self._pending.setdefault(seq, []).append((self._tables[seq][index], block_hash))

@@ -1,7 +1,11 @@
 """The reference radix cache (spec.radix_cache), in SGLang's shape.
 
 Nodes hold runs of tokens with their values; children are keyed by their
-first token.  A match, insert or lock that ends inside a node splits it, so
+first token.  Tokens are stored by the names the spec gives them
+(``spec.radix_cache.name_tokens``): with pages or an extra key, a name
+carries the page and the extra key, so a child's first token names its
+first page and its namespace (SGLang's child key), and a walk matches whole
+pages without counting them.  A match, insert or lock that ends inside a node splits it, so
 that last-use times and lock counts are per node.  ``lock_ref`` counts the
 locks held at or below a node (SGLang's ``inc_lock_ref`` walks to the root).
 Eviction pops unlocked leaves from a heap ordered by last use and trims only
@@ -21,15 +25,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from kvspec.spec.block_manager import check_tokens
 from kvspec.spec.errors import InvalidOperation
-from kvspec.spec.radix_cache import Key, RadixState
+from kvspec.spec.prefix_cache import ExtraKey, check_extra_key
+from kvspec.spec.radix_cache import Key, RadixState, name_tokens
 
 
-def _tokens(tokens: Any) -> Key:
+def _tokens(tokens: Any) -> tuple[int, ...]:
     """``check_tokens`` with the common case (a list or tuple of plain ints) checked in C."""
     kind = type(tokens)
     if (kind is tuple or kind is list) and set(map(type, tokens)) <= {int} and (not tokens or min(tokens) >= 0):
@@ -55,18 +60,19 @@ def _shared(key: Key, depth: int, node_key: Key) -> int:
 class Node:
     __slots__ = ("key", "values", "children", "parent", "lock_ref", "last_use")
 
-    def __init__(self, key: Key, values: Key, parent: Node | None, last_use: int) -> None:
+    def __init__(self, key: Key, values: tuple[int, ...], parent: Node | None, last_use: int) -> None:
         self.key, self.values = key, values
-        self.children: dict[int, Node] = {}
+        self.children: dict[Hashable, Node] = {}
         self.parent = parent
         self.lock_ref = 0
         self.last_use = last_use
 
 
 class RadixCache:
-    """A compressed token tree with per-node last-use times and lock counts."""
+    """A compressed token tree with per-node last-use times and lock counts; ``page_size`` tokens per page."""
 
-    def __init__(self) -> None:
+    def __init__(self, page_size: int = 1) -> None:
+        self._page_size = page_size
         self._root = Node((), (), None, 0)
         self._clock = itertools.count(1)
         self._locks: Counter[Key] = Counter()
@@ -76,52 +82,52 @@ class RadixCache:
         self._heap: list[tuple[int, int, Node]] = []  # (last use, push order, node): maybe-evictable leaves
         self._pushes = itertools.count()
 
-    def match_prefix(self, key: Sequence[int]) -> tuple[int, ...]:
-        key = _tokens(key)
-        path = self._walk(key)
+    def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
+        path = self._walk(self._named(_tokens(key), extra_key))
         self._touch(path)
         return tuple(itertools.chain.from_iterable([node.values for node in path]))
 
-    def insert(self, key: Sequence[int], values: Sequence[int]) -> int:
-        key, values = _tokens(key), _tokens(values)
-        if len(values) != len(key):
-            raise InvalidOperation(f"{len(values)} values for a key of {len(key)} tokens")
-        path = self._walk(key)
+    def insert(self, key: Sequence[int], values: Sequence[int], extra_key: ExtraKey = None) -> int:
+        tokens, stored = _tokens(key), _tokens(values)
+        if len(stored) != len(tokens):
+            raise InvalidOperation(f"{len(stored)} values for a key of {len(tokens)} tokens")
+        named = self._named(tokens, extra_key)
+        path = self._walk(named)
         present = self._depth_of(path)
-        if present < len(key):
+        if present < len(named):
             parent = path[-1] if path else self._root
-            leaf = Node(key[present:], values[present:], parent, 0)
-            parent.children[key[present]] = leaf
+            leaf = Node(named[present:], stored[present : len(named)], parent, 0)  # no partial last page
+            parent.children[named[present]] = leaf
             self._total += len(leaf.key)
             self._nodes_count += 1
             path.append(leaf)
         self._touch(path)
         return present
 
-    def lock(self, key: Sequence[int]) -> None:
-        key = _tokens(key) or check_tokens(key, allow_empty=False)
-        path = self._walk(key)
-        if not path or self._depth_of(path) != len(key):
-            raise InvalidOperation(f"cannot lock {key}: it is not cached")
+    def lock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None:
+        named = self._named(_tokens(key) or check_tokens(key, allow_empty=False), extra_key, whole_pages=True)
+        path = self._walk(named)
+        if not path or self._depth_of(path) != len(named):
+            raise InvalidOperation(f"cannot lock {tuple(key)}: it is not cached")
         for node in path:
             if node.lock_ref == 0:
                 self._protected += len(node.key)
             node.lock_ref += 1
-        self._locks[key] += 1
+        self._locks[named] += 1
 
-    def unlock(self, key: Sequence[int]) -> None:
-        key = _tokens(key) or check_tokens(key, allow_empty=False)
-        if not self._locks.get(key):
-            raise InvalidOperation(f"cannot unlock {key}: it holds no lock")
-        path = self._walk(key)
+    def unlock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None:
+        named = self._named(_tokens(key) or check_tokens(key, allow_empty=False), extra_key, whole_pages=True)
+        if not self._locks.get(named):
+            raise InvalidOperation(f"cannot unlock {tuple(key)}: it holds no lock")
+        path = self._walk(named)
         for node in path:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._protected -= len(node.key)
         self._push_if_evictable(path[-1])
-        self._locks[key] -= 1
-        if self._locks[key] == 0:
-            del self._locks[key]
+        self._locks[named] -= 1
+        if self._locks[named] == 0:
+            del self._locks[named]
 
     def evict(self, num_tokens: int) -> tuple[int, ...]:
         if type(num_tokens) is not int or num_tokens < 0:
@@ -132,7 +138,8 @@ class RadixCache:
             if node.parent is None or node.children or node.lock_ref or node.last_use != last_use:
                 heapq.heappop(heap)  # stale: removed, extended, locked or touched since it was pushed
                 continue
-            take = min(num_tokens - len(evicted), len(node.key))
+            wanted = num_tokens - len(evicted)
+            take = min(wanted + -wanted % self._page_size, len(node.key))  # whole pages
             evicted += node.values[: -take - 1 : -1]
             self._total -= take
             if take < len(node.key):
@@ -171,6 +178,16 @@ class RadixCache:
         return RadixState(values=values, locks=dict(self._locks))
 
     # -- internals -----------------------------------------------------------------
+
+    def _named(self, key: tuple[int, ...], extra_key: ExtraKey, whole_pages: bool = False) -> Key:
+        """``key`` as the tree stores it: cut to whole pages (or, ``whole_pages``, refused if it is not), named."""
+        page_size = self._page_size
+        if page_size == 1 and extra_key is None:
+            return key
+        cut = len(key) - len(key) % page_size
+        if whole_pages and cut < len(key):
+            raise InvalidOperation(f"{key} is not a whole number of pages of {page_size} tokens")
+        return name_tokens(key[:cut], page_size, check_extra_key(extra_key))
 
     def _walk(self, key: Key) -> list[Node]:
         """The nodes along the longest cached prefix of ``key``, splitting the last at its end."""

@@ -1,20 +1,24 @@
-"""The reference scheduler: FCFS iteration-level batching over two block managers.
+"""The reference scheduler: iteration-level batching over two block managers, FCFS or by priority.
 
 It owns no memory itself: a GPU and a CPU ``BlockManager`` (each over a pool
-of its own, from any implementation) come in through the constructor.  The
-queues are one arrival-ordered dict of groups, each tagged with where it
-lives; the steps are the spec's, phase by phase, as methods a subclass can
-override (the broken schedulers in ``kvspec.impl.broken.scheduler`` do).
+of its own, from any implementation; both prefix-caching, or neither) come in
+through the constructor.  The queue is one arrival-ordered dict of groups,
+each tagged with where it lives; the steps are the spec's, phase by phase, as
+methods a subclass can override (the broken schedulers in
+``kvspec.impl.broken.scheduler`` do).  A step's grants are kept as vLLM keeps
+``num_scheduled_tokens``: a dict the report is made from, which a preemption
+must take the victim out of.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import attrs
 
 from kvspec.spec.block_manager import BlockManager
 from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.prefix_cache import PrefixCachingManager, max_hit_blocks
 from kvspec.spec.scheduler import (
     Group,
     Location,
@@ -26,9 +30,11 @@ from kvspec.spec.scheduler import (
     StepReport,
     admissible,
     append_demand,
+    check_config,
     check_fits_alone,
     check_request,
-    group_blocks,
+    prefill_demand,
+    rank,
     sampled_token,
 )
 
@@ -40,9 +46,9 @@ class Scheduler:
         config = config or SchedulerConfig()
         if gpu.block_size != cpu.block_size:
             raise InvalidOperation(f"GPU blocks of {gpu.block_size} tokens, CPU blocks of {cpu.block_size}")
-        if config.preemption not in ("swap", "recompute") or config.watermark < 0:
-            raise InvalidOperation(f"unusable scheduler config {config!r}")
+        check_config(config)
         self._gpu, self._cpu, self._config = gpu, cpu, config
+        self._cache = gpu if isinstance(gpu, PrefixCachingManager) else None
         self._groups: dict[RequestId, Entry] = {}
         self._arrived: list[RequestId] = []
         self._arrived_set: set[RequestId] = set()
@@ -60,7 +66,9 @@ class Scheduler:
     def arrive(self, request: Request) -> None:
         request = check_request(request, self._arrived_set)
         self._check_fits_alone(request)
-        self._groups[request.request_id] = Entry.of(Group(request=request, arrival=len(self._arrived)))
+        self._groups[request.request_id] = Entry.of(
+            Group(request=request, arrival=len(self._arrived), ready=request.ready)
+        )
         self._arrived.append(request.request_id)
         self._arrived_set.add(request.request_id)
 
@@ -71,10 +79,17 @@ class Scheduler:
         self._release(group)
         del self._groups[request_id]
 
+    def mark_ready(self, request_id: RequestId) -> None:
+        group = self._groups.get(request_id) if isinstance(request_id, int) else None
+        if group is None:
+            raise InvalidOperation(f"request {request_id!r} is not unfinished (never arrived, finished or aborted)")
+        if group.ready:
+            raise InvalidOperation(f"request {request_id!r} is ready already")
+        group.ready = True
+
     def step(self) -> StepReport:
         report = Tally()
-        running = self._make_room(report)
-        for group in running:
+        for group in self._grant_decodes(report):
             self._decode(group, report)
         self._admit_in_order(report)
         self._steps += 1
@@ -93,23 +108,42 @@ class Scheduler:
 
     # -- the decode phase ---------------------------------------------------------------
 
-    def _make_room(self, report: Tally) -> list[Entry]:
-        """Preempt the latest-arrived running groups until the rest can all append a token."""
+    def _grant_decodes(self, report: Tally) -> list[Entry]:
+        """Grant each running group its tokens in arrival order; preempt the lowest-ranked while one does not fit."""
         running = list(self._located("running"))
-        while running and self._decode_demand(running) > self._gpu.pool.num_free():
-            victim = self._choose_victim(running)
-            running.remove(victim)
-            report.preempted.append((victim.request.request_id, self._preempt(victim, report)))
-        return running
+        scheduled: dict[RequestId, tuple[Entry, int]] = {}  # request -> (group, blocks its grant takes)
+        granted = 0
+        for group in running:
+            if group.location != "running":
+                continue  # preempted for a group before it
+            demand = self._decode_demand(group)
+            while granted + demand > self._gpu.pool.num_free():
+                victim = self._choose_victim([g for g in running if g.location == "running"])
+                report.preempted.append((victim.request.request_id, self._preempt(victim, report)))
+                if victim.request.request_id in scheduled:
+                    granted -= scheduled.pop(victim.request.request_id)[1]
+                    self._revoke_grant(victim, report)
+                if victim is group:
+                    break
+            else:
+                scheduled[group.request.request_id] = (group, demand)
+                report.granted[group.request.request_id] = group.request.n
+                granted += demand
+        return [group for group, _ in scheduled.values()]
 
     def _choose_victim(self, running: list[Entry]) -> Entry:
-        return running[-1]
+        return max(running, key=self._rank)
 
-    def _decode_demand(self, running: list[Entry]) -> int:
-        seqs = [seq for group in running for seq in group.seqs]
-        tables = [self._gpu.block_table(seq) for seq in seqs]
+    def _revoke_grant(self, victim: Entry, report: Tally) -> None:
+        del report.granted[victim.request.request_id]
+
+    def _rank(self, group: Entry) -> tuple[int, int]:
+        return rank(group.frozen(), self._config.policy)
+
+    def _decode_demand(self, group: Entry) -> int:
+        tables = [self._gpu.block_table(seq) for seq in group.seqs]
         refcount = {t[-1]: self._gpu.pool.refcount(t[-1]) for t in tables if t}
-        lengths = [len(group.request.prompt) + group.generated for group in running for _ in group.seqs]
+        lengths = [len(group.request.prompt) + group.generated] * len(group.seqs)
         return append_demand(tables, lengths, refcount, self._gpu.block_size)
 
     def _preempt(self, victim: Entry, report: Tally) -> Preemption:
@@ -147,28 +181,44 @@ class Scheduler:
     def _admit_in_order(self, report: Tally) -> None:
         just_preempted = {rid for rid, _ in report.preempted}
         for group in self._admission_candidates():
-            if group.request.request_id in just_preempted or not self._fits(group):
+            if not self._is_ready(group):
+                continue
+            if group.request.request_id in just_preempted:
                 return
-            self._admit(group, report)
+            probe = self._probe(group)
+            if not self._fits(probe.need):
+                return
+            self._admit(group, probe, report)
 
-    def _admission_candidates(self) -> Iterator[Entry]:
-        return (g for g in self._groups.values() if g.location != "running")
+    def _admission_candidates(self) -> Iterable[Entry]:
+        """The groups not running, in queue order: the dict's (arrival) under fcfs, by rank under priority."""
+        queued = [g for g in self._groups.values() if g.location != "running"]
+        return sorted(queued, key=self._rank) if self._config.policy == "priority" else queued
 
-    def _fits(self, group: Entry) -> bool:
+    def _is_ready(self, group: Entry) -> bool:
+        return group.ready
+
+    def _fits(self, need: int) -> bool:
         idle = not any(True for _ in self._located("running"))
-        need = self._resume_demand(group)
         return admissible(need, self._gpu.pool.num_free(), self._config.watermark, idle)
 
-    def _resume_demand(self, group: Entry) -> int:
+    def _probe(self, group: Entry) -> Probe:
+        """What resuming ``group`` takes now: its blocks, and the prompt tokens the cache holds for it."""
         if group.location == "swapped":
-            return len({b for seq in group.seqs for b in self._cpu.block_table(seq)})
-        request = group.request
-        return group_blocks(len(request.prompt), group.generated, request.n, self._gpu.block_size)
+            return Probe(len({b for seq in group.seqs for b in self._cpu.block_table(seq)}), 0)
+        request, size = group.request, self._gpu.block_size
+        hits = (
+            self._cache.cached_prefix(request.prompt)[: max_hit_blocks(len(request.prompt), size)]
+            if self._cache
+            else ()
+        )
+        revived = sum(1 for block in hits if self._gpu.pool.refcount(block) == 0)
+        return Probe(prefill_demand(request, group.generated, size, len(hits), revived), len(hits) * size)
 
-    def _admit(self, group: Entry, report: Tally) -> None:
+    def _admit(self, group: Entry, probe: Probe, report: Tally) -> None:
         request = group.request
         if group.location == "swapped":
-            report.swapped_in_blocks += self._resume_demand(group)
+            report.swapped_in_blocks += probe.need
             self._cpu.move_sequences(self._gpu, group.seqs)
         else:
             first, *others = group.seqs
@@ -177,7 +227,8 @@ class Scheduler:
                 self._gpu.fork(first, seq)
             for sample, seq in enumerate(group.seqs):
                 self._gpu.append(seq, group.frozen().tokens(sample)[len(request.prompt) :])
-            prefilled = len(request.prompt) + request.n * group.generated
+            report.cached_tokens[request.request_id] = probe.cached_tokens
+            prefilled = len(request.prompt) - probe.cached_tokens + request.n * group.generated
             if group.preemptions:
                 report.recomputed_tokens += prefilled
             else:
@@ -209,14 +260,25 @@ class Entry:
     location: Location
     generated: int
     preemptions: int
+    ready: bool
     seqs: tuple[tuple[RequestId, int], ...]
 
     @classmethod
     def of(cls, group: Group) -> Entry:
-        return cls(group.request, group.arrival, group.location, group.generated, group.preemptions, group.seqs)
+        return cls(
+            group.request, group.arrival, group.location, group.generated, group.preemptions, group.ready, group.seqs
+        )
 
     def frozen(self) -> Group:
-        return Group(self.request, self.arrival, self.location, self.generated, self.preemptions)
+        return Group(self.request, self.arrival, self.location, self.generated, self.preemptions, self.ready)
+
+
+@attrs.frozen
+class Probe:
+    """An admission attempt's view of a group: the blocks it takes, and the tokens the cache supplies."""
+
+    need: int
+    cached_tokens: int
 
 
 @attrs.define
@@ -224,7 +286,9 @@ class Tally:
     """A step report under construction."""
 
     preempted: list[tuple[RequestId, Preemption]] = attrs.Factory(list)
+    granted: dict[RequestId, int] = attrs.Factory(dict)
     admitted: list[RequestId] = attrs.Factory(list)
+    cached_tokens: dict[RequestId, int] = attrs.Factory(dict)
     finished: list[RequestId] = attrs.Factory(list)
     decode_tokens: int = 0
     prefill_tokens: int = 0
@@ -235,7 +299,9 @@ class Tally:
     def freeze(self) -> StepReport:
         return StepReport(
             preempted=tuple(self.preempted),
+            granted=tuple(self.granted.items()),
             admitted=tuple(self.admitted),
+            cached_tokens=tuple(self.cached_tokens.items()),
             finished=tuple(self.finished),
             decode_tokens=self.decode_tokens,
             prefill_tokens=self.prefill_tokens,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -60,6 +60,7 @@ class Violation:
     detail: str
     machines: tuple[str, ...]
     steps: tuple[str, ...]
+    in_production: str = ""  # what a caller-contract finding means in production, as the factory's module says
 
     @property
     def heading(self) -> str:
@@ -132,8 +133,9 @@ class Verdict:
             out += ["", table(["invariant", "layer", "verdict", "checks"], rows, title=f"-- {tier} --")]
             for violation in (v for v in self.violations if v.tier == tier):
                 trusted = tier == "caller contract" and self.conventions.trusts_caller
-                out += ["", ("trusts caller: " if trusted else "") + violation.heading, "shrunk operation sequence:"]
-                out += [f"    {step}" for step in violation.steps]
+                out += ["", ("trusts caller: " if trusted else "") + violation.heading]
+                out += [f"in production: {violation.in_production}"] if violation.in_production else []
+                out += ["shrunk operation sequence:", *(f"    {step}" for step in violation.steps)]
         for violation in (v for v in self.violations if v.tier == "harness"):
             out += ["", violation.heading, "operation sequence:", *(f"    {step}" for step in violation.steps)]
         rows = [[m.machine, m.runs, m.examples, m.steps, m.findings, m.ended] for m in self.machines]
@@ -160,7 +162,9 @@ class Verdict:
             out += ["", f"### {tier}", "", "| invariant | verdict | checks |", "|---|---|---|"]
             out += [f"| `{r.invariant}` | {r.verdict} | {r.checks} |" for r in self.rules if r.tier == tier]
             for violation in (v for v in self.violations if v.tier in (tier, "harness" if tier == TIERS[-1] else "")):
-                out += ["", f"- {violation.heading}", "", "  ```", *(f"  {step}" for step in violation.steps), "  ```"]
+                out += ["", f"- {violation.heading}"]
+                out += ["", f"  In production: {violation.in_production}"] if violation.in_production else []
+                out += ["", "  ```", *(f"  {step}" for step in violation.steps), "  ```"]
         return "\n".join(out) + "\n"
 
 
@@ -169,8 +173,18 @@ def describe(conventions: Conventions) -> str:
     return (
         f"conventions: pool(unhashed free at {pool.unhashed_free_position}, duplicate hash {pool.duplicate_hash}, "
         f"policies {'/'.join(pool.policies)}); radix({radix.eviction_granularity}, recency {radix.recency}, "
-        f"lock by {radix.lock_by}); trusts caller: {'yes' if conventions.trusts_caller else 'no'}"
+        f"lock by {radix.lock_by}, page size {radix.page_size}, extra-key namespaces "
+        f"{'yes' if radix.extra_key_namespaces else 'no'}); trusts caller: {'yes' if conventions.trusts_caller else 'no'}"
     )
+
+
+def in_production(path: str, violation: Violation) -> Violation:
+    """``violation`` with what it means in production, if it is a caller-contract finding and the factory's module
+    says so in ``IN_PRODUCTION`` (keyed by operation, as the adapters do)."""
+    said: Mapping[str, str] = getattr(sys.modules.get(path.partition(":")[0]), "IN_PRODUCTION", {})
+    if violation.tier != "caller contract" or violation.operation not in said:
+        return violation
+    return attrs.evolve(violation, in_production=said[violation.operation])
 
 
 def resolve(factory: str | Callable[[], Implementation] | Implementation) -> tuple[str, Implementation]:
@@ -260,7 +274,9 @@ def run_conformance(
         profile=profile,
         conventions=implementation.conventions,
         rules=rules,
-        violations=tuple(sorted(found.values(), key=lambda v: (v.tier, v.invariant, v.operation))),
+        violations=tuple(
+            sorted((in_production(path, v) for v in found.values()), key=lambda v: (v.tier, v.invariant, v.operation))
+        ),
         machines=tuple(machines),
     )
 

@@ -22,6 +22,16 @@ and checks, per call:
   (``invariant_failed_operation_changes_nothing``), and the answers agree
   (``invariant_result_matches_spec``, or the invariant the call names).
 
+Buffer ownership (``recycles_buffers``, on by default in every profile): the
+caller owns every list it hands over and every list it is handed back, as
+an engine that recycles its token buffers and table rows each step does.
+The implementation gets its list arguments in buffers of the harness's;
+right after the call each buffer is overwritten (every item ``OVERWRITTEN``)
+and kept for the next call's list, so one list object carries request after
+request; a list the implementation answers is copied for the caller and
+overwritten too.  An implementation that keeps an alias of either -- or
+remembers anything by a buffer's identity -- reads another request's data.
+
 The line each call records is made from the call itself, so the operation
 sequence a failure prints is exactly the calls that ran.  Invariants are
 ``spec`` objects, checked one by one (``check``) or by group
@@ -42,6 +52,7 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 from hypothesis import HealthCheck, Phase, assume, event
 from hypothesis import settings as Settings
+from hypothesis.control import current_build_context
 from hypothesis.errors import Flaky, Unsatisfiable
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
@@ -60,6 +71,7 @@ from kvspec.spec.invariants import (
 REFERENCE = "kvspec.impl:reference"
 ENVIRONMENT_VARIABLE = "KVSPEC_IMPL"
 EVERY_OPERATION = frozenset({"*"})  # spared: no out-of-contract call is sent
+OVERWRITTEN = -1  # what the caller writes over a list it has handed over: no token, block or id
 
 M = TypeVar("M", bound="LockstepMachine")
 
@@ -141,14 +153,19 @@ class LockstepMachine(RuleBasedStateMachine):
     only: ClassVar[frozenset[Invariant] | None] = None
     known: ClassVar[frozenset[Invariant]] = frozenset()
     spared: ClassVar[frozenset[str]] = frozenset()  # operations whose out-of-contract calls are not sent
+    recycles_buffers: ClassVar[bool] = True  # see "Buffer ownership" in the module docstring
     last_steps: ClassVar[tuple[str, ...]] = ()
     runs: ClassVar[int] = 0
     steps_explored: ClassVar[int] = 0
     checks: ClassVar[Counter[Invariant]]
+    reached: ClassVar[list[frozenset[str]]]  # the events of each example (the score: bench_exploration)
+    operations: ClassVar[Counter[str]]  # examples in which each operation was called
 
     def __init__(self) -> None:
         super().__init__()
         self.steps: list[str] = []
+        self.buffers: list[list[Any]] = []  # lists handed over and overwritten, to carry the next call's
+        self.called: set[str] = set()
         type(self).runs += 1
 
     @classmethod
@@ -176,6 +193,8 @@ class LockstepMachine(RuleBasedStateMachine):
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "checks": Counter(),
+            "reached": [],
+            "operations": Counter(),
         }
         return type(cls.__name__, (cls,), namespace)
 
@@ -213,11 +232,16 @@ class LockstepMachine(RuleBasedStateMachine):
     ) -> Answer | None:
         """One call on both sides, checked; see the module docstring."""
         label = f"{subject.name}.{operation}({', '.join(map(repr, args))})" + (f"  # {note}" if note else "")
+        self.called.add(operation)
         subjects = [subject, *(arg for arg in args if isinstance(arg, Subject))]
-        impl_args = [arg.impl if isinstance(arg, Subject) else arg for arg in args]
+        lent: list[list[Any]] = []
+        impl_args = [arg.impl if isinstance(arg, Subject) else self.lend(arg, lent) for arg in args]
         if subject.spec is None:
             self.record(label)
-            return Answer(None, getattr(subject.impl, operation)(*impl_args))
+            try:
+                return Answer(None, self.take_back(getattr(subject.impl, operation)(*impl_args)))
+            finally:
+                self.overwrite(lent)
         try:
             model_args = [arg.model if isinstance(arg, Subject) else arg for arg in args]
             result, spec_error = getattr(subject.spec, operation)(subject.model, *model_args), None
@@ -225,6 +249,7 @@ class LockstepMachine(RuleBasedStateMachine):
             result, spec_error = None, error
         out_of_contract = isinstance(spec_error, InvalidOperation)
         if out_of_contract and (self.spared == EVERY_OPERATION or operation in self.spared):
+            self.overwrite(lent)
             return None
         self.record(label)
 
@@ -236,6 +261,8 @@ class LockstepMachine(RuleBasedStateMachine):
             actual, impl_error = getattr(subject.impl, operation)(*impl_args), None
         except Exception as error:  # an untyped error is a verdict too: the wrong one
             actual, impl_error = None, error
+        self.overwrite(lent)
+        actual = self.take_back(actual)
         if out_of_contract:
             rejected = (verdict(spec_error), verdict(impl_error), before, snapshots())
             self.check(invariant_out_of_contract_call_rejected, *rejected, operation=operation)
@@ -255,8 +282,38 @@ class LockstepMachine(RuleBasedStateMachine):
             self.check(judged_by, expected, actual)
         return Answer(expected, actual)
 
+    def lend(self, value: Any, lent: list[list[Any]]) -> Any:
+        """``value`` as the implementation gets it: each list (in lists and tuples too) in a reused buffer."""
+        if not self.recycles_buffers or not isinstance(value, list | tuple):
+            return value
+        items = [self.lend(item, lent) for item in value]
+        if isinstance(value, tuple):
+            return tuple(items)
+        if self.buffers:
+            event("caller recycled a list it had handed over")
+        buffer = self.buffers.pop() if self.buffers else []
+        buffer[:] = items
+        lent.append(buffer)
+        return buffer
+
+    def overwrite(self, lent: list[list[Any]]) -> None:
+        """The caller reuses what it handed over: every item overwritten, each buffer kept for the next call."""
+        for buffer in lent:
+            buffer[:] = [OVERWRITTEN] * len(buffer)
+        self.buffers += reversed(lent)
+
+    def take_back(self, answer: Any) -> Any:
+        """The caller's copy of an answered list; the list itself is overwritten, as the caller may."""
+        if not self.recycles_buffers or type(answer) is not list:
+            return answer
+        mine = list(answer)
+        answer[:] = [OVERWRITTEN] * len(answer)
+        return mine
+
     def teardown(self) -> None:
         type(self).last_steps = tuple(self.steps)
+        type(self).operations.update(self.called)
+        type(self).reached.append(frozenset(map(str, getattr(current_build_context().data, "events", {}))))
 
 
 def split_result(result: Any, models: list[Any]) -> tuple[list[Any], Any]:

@@ -17,7 +17,9 @@ MACHINES: tuple[tuple[str, str], ...] = (
     ("block manager (512 blocks of 16)", "kvspec.properties.test_block_manager:RealisticBlockManagerMachine"),
     ("prefix cache", "kvspec.properties.test_prefix_cache:PrefixCacheMachine"),
     ("prefix cache (realistic)", "kvspec.properties.test_prefix_cache:RealisticPrefixCacheMachine"),
+    ("prefix cache (deferred commit)", "kvspec.properties.test_prefix_cache:DeferredCommitMachine"),
     ("radix cache", "kvspec.properties.test_radix_cache:RadixCacheMachine"),
+    ("sliding-window tables", "kvspec.properties.test_sliding_window:SlidingWindowMachine"),
     ("radix = chained hash", "kvspec.properties.test_radix_cache:RadixAgreesWithChainedHashMachine"),
     ("paged attention logits", "kvspec.properties.test_paged_attention:PagedAttentionMachine"),
     (
@@ -27,6 +29,8 @@ MACHINES: tuple[tuple[str, str], ...] = (
     ("scheduler (recompute)", "kvspec.properties.test_scheduler:SchedulerMachine"),
     ("scheduler (swap)", "kvspec.properties.test_scheduler:SwapSchedulerMachine"),
     ("scheduler deadlock freedom", "kvspec.properties.test_scheduler:DeadlockFreedomMachine"),
+    ("scheduler over the prefix cache", "kvspec.properties.test_scheduler:CachedSchedulerMachine"),
+    ("scheduler (priority)", "kvspec.properties.test_scheduler:PrioritySchedulerMachine"),
     ("contiguous allocators", "kvspec.properties.test_contiguous:ContiguousMachine"),
     ("contiguous allocators (A100, 12,596 slots)", "kvspec.properties.test_contiguous:A100ContiguousMachine"),
     ("tiered KV store (node faults)", "kvspec.properties.test_kv_store:KVStoreMachine"),

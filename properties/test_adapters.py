@@ -140,6 +140,27 @@ def test_sglang_page_size_is_passed_through():
 
 
 @needs_sglang
+def test_sglang_stamps_a_new_leaf_after_the_walk(sglang_implementation):
+    """The sequence that showed the model stamping a new leaf with its walk (spec.radix_cache, insert)."""
+    cache = sglang_implementation.radix_cache()
+    cache.insert([0, 0], [0, 1])
+    cache.lock([0, 0])
+    cache.insert([0, 1, 1, 0, 0, 0], [2, 3, 4, 5, 6, 7])
+    cache.insert([0, 1, 0, 0], [8, 9, 10, 11])  # splits [1, 1, 0, 0, 0] and adds the newer leaf [0, 0] beside it
+    cache.match_prefix([0])
+    assert cache.evict(1) == (7, 6, 5, 4)
+
+
+@needs_sglang
+def test_sglang_extra_keys_keep_equal_tokens_apart(sglang_implementation):
+    cache = sglang_implementation.radix_cache()
+    cache.insert([1, 2], [10, 20], "lora-a")
+    assert cache.match_prefix([1, 2]) == () and cache.match_prefix([1, 2], "lora-b") == ()
+    assert cache.match_prefix([1, 2], "lora-a") == (10, 20)
+    assert cache.snapshot().values == {(("lora-a", 1),): 10, (("lora-a", 1), ("lora-a", 2)): 20}
+
+
+@needs_sglang
 def test_sglang_trusts_its_caller_with_an_unlock_underflow(sglang_implementation):
     """What the caller-contract tier reports: an unmatched unlock makes the next lock protect nothing."""
     assert sglang_implementation.conventions.trusts_caller
@@ -170,6 +191,7 @@ def test_vllm_verdict_safety_held_five_caller_contract_findings():
     assert verdict.conforms, str(verdict)
     assert not [v for v in verdict.violations if v.tier != "caller contract"], str(verdict)
     assert caller_contract_operations(verdict) == {"allocate", "evict", "register", "release", "share"}
+    assert all(v.in_production for v in verdict.violations), "each finding says what it means in production"
     pool_safety = {r.invariant for r in verdict.rules if r.tier == "safety" and r.layer == "block_pool"}
     assert held_safety_rules(verdict, "block_pool") == pool_safety and pool_safety
 
@@ -182,5 +204,19 @@ def test_sglang_verdict_safety_held_three_caller_contract_findings():
     assert verdict.conforms, str(verdict)
     assert not [v for v in verdict.violations if v.tier != "caller contract"], str(verdict)
     assert caller_contract_operations(verdict) == {"evict", "insert", "unlock"}
+    assert all(v.in_production for v in verdict.violations), "each finding says what it means in production"
     radix_safety = {r.invariant for r in verdict.rules if r.tier == "safety" and r.layer == "radix_cache"}
     assert held_safety_rules(verdict, "radix_cache") == radix_safety and radix_safety
+
+
+@needs_sglang
+def test_sglang_verdict_with_pages_of_two_tokens():
+    """Pages drawn from the declared page size: keys cut to whole pages, matched and evicted page by page."""
+    from kvspec.adapters import sglang
+    from kvspec.conformance import run_conformance
+
+    verdict = run_conformance(sglang.factory_with_page_size(2), layers=["radix cache"], profile="ci")
+    assert verdict.conventions.radix.page_size == 2
+    assert verdict.conforms, str(verdict)
+    assert not [v for v in verdict.violations if v.tier != "caller contract"], str(verdict)
+    assert caller_contract_operations(verdict) <= {"evict", "insert", "unlock"}

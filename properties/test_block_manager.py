@@ -4,7 +4,10 @@ The machine runs two managers, a "GPU" and a "CPU" one with pools of their
 own, and drives add / append / fork / free / read and group moves between
 them (swap), valid and invalid, on tiny pools where exhaustion and
 copy-on-write are common and on a realistic one.  Every pool invariant is
-checked too, with the table entries as the holders of each block.
+checked too, with the table entries as the holders of each block.  The
+search revisits: a write refused for want of blocks is retried after a free,
+and an earlier prompt is admitted again under a freed sequence id (its slot)
+or a new one.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ class BlockManagerMachine(LockstepMachine):
         self.where: dict[int, str] = {}  # live sequence -> the device that holds it
         self.next_id = 0
         self.block_size = block_size
+        self.prompts: list[list[int]] = []  # every prompt admitted
+        self.freed_ids: list[int] = []
+        self.refused: tuple[str, str, int, list] | None = None  # (device, operation, seq, tokens) refused last
 
     def fresh_id(self) -> int:
         self.next_id += 1
@@ -65,17 +71,30 @@ class BlockManagerMachine(LockstepMachine):
     def write(self, device: Subject, operation: str, seq: int, tokens: list) -> WritePlan | None:
         answer = device(operation, seq, tokens)
         if answer is None:
+            self.refused = (device.name, operation, seq, tokens)
             return None
         self.check(model.invariant_copy_on_write_exact, answer.expected.copies, answer.actual.copies)
         event("copy-on-write happened" if answer.actual.copies else "write without copy")
         return answer.actual
 
-    def add(self, device: str, prompt: list[int]) -> int | None:
-        seq = self.fresh_id()
+    def add(self, device: str, prompt: list[int], seq: int | None = None) -> int | None:
+        seq = self.fresh_id() if seq is None else seq
         if self.write(self.devices[device], "add_sequence", seq, prompt) is None:
             return None
         self.where[seq] = device
+        self.prompts.append(prompt)
         return seq
+
+    def retry_refused(self) -> int | None:
+        """The last refused write again, as it was; the sequence it added, if any."""
+        assert self.refused is not None
+        device, operation, seq, tokens = self.refused
+        self.refused = None
+        event("revisit: retried a rejected call")
+        if operation == "add_sequence":
+            return self.add(device, tokens, seq)
+        self.write(self.devices[device], operation, seq, tokens)
+        return None
 
     def extend(self, seq: int, tokens: list[int]) -> WritePlan | None:
         return self.write(self.device_of(seq), "append", seq, tokens)
@@ -89,10 +108,22 @@ class BlockManagerMachine(LockstepMachine):
         self.where[child] = device.name
         return child
 
-    @rule(target=seqs, device=DEVICES, prompt=PROMPTS)
-    def add_sequence(self, device: str, prompt: list[int]):
-        seq = self.add(device, prompt)
-        return multiple() if seq is None else seq
+    @rule(target=seqs, device=DEVICES, prompt=PROMPTS, data=st.data())
+    def add_sequence(self, device: str, prompt: list[int], data: st.DataObject):
+        """A new prompt, or an earlier one again: under a freed id (the slot it had) or a new one.  First, as
+        often as not, the write refused last is retried, as a scheduler retries its waiting request."""
+        retried = None
+        if self.refused is not None and data.draw(st.booleans(), label="retry the refused write first"):
+            retried = self.retry_refused()
+        seq = None
+        if self.prompts and data.draw(st.booleans(), label="an earlier prompt"):
+            prompt = data.draw(st.sampled_from(self.prompts), label="earlier prompt")
+            vacant = [s for s in self.freed_ids if all(s not in d.model.tables for d in self.devices.values())]
+            if vacant and data.draw(st.booleans(), label="in a freed slot"):
+                seq = data.draw(st.sampled_from(vacant), label="freed slot")
+            event(f"revisit: re-admitted an earlier prompt in {'the same' if seq is not None else 'another'} slot")
+        seq = self.add(device, prompt, seq)
+        return multiple(*(s for s in (retried, seq) if s is not None))
 
     @rule(seq=seqs, tokens=APPENDS)
     def append(self, seq: int, tokens: list[int]) -> None:
@@ -123,8 +154,11 @@ class BlockManagerMachine(LockstepMachine):
     @rule(target=freed, seq=consumes(seqs))
     def free(self, seq: int):
         device = self.device_of(seq)
-        del self.where[seq]
-        return multiple() if device("free", seq) is None else seq
+        self.where.pop(seq, None)
+        if device("free", seq) is None:
+            return multiple()
+        self.freed_ids.append(seq)
+        return seq
 
     @rule(seq=seqs)
     def read(self, seq: int) -> None:

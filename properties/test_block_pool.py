@@ -5,6 +5,8 @@ blocks it has allocated or shared) and drives allocate / share / release /
 register / lookup / evict, valid and invalid, on tiny pools where exhaustion
 and eviction are common and on a realistic one.  The model follows the
 pool's declared conventions, and only its declared policies are drawn.
+The search revisits: an allocation refused for want of blocks is retried
+after a release, and a hash whose block was evicted is cached again.
 """
 
 from __future__ import annotations
@@ -32,19 +34,27 @@ class BlockPoolMachine(LockstepMachine):
         spec = model.new_pool(capacity, policy, self.conventions.pool)
         self.pool = self.subject("pool", model, spec, self.implementation.block_pool(capacity, policy))
         self.held: Counter[int] = Counter()
+        self.refused = 0  # the blocks of the last allocation refused (0: none pending)
+        self.ever_cached: set[str] = set()
 
     def some_block(self, data: st.DataObject) -> int:
         return data.draw(st.integers(0, self.pool.model.capacity - 1), label="block")
 
-    @rule(n=st.one_of(st.integers(1, 2), st.integers(1, 2), st.integers(-1, 9)))
-    def allocate(self, n: int) -> None:
+    @rule(n=st.one_of(st.integers(1, 2), st.integers(1, 2), st.integers(-1, 9)), retry=st.booleans())
+    def allocate(self, n: int, retry: bool) -> None:
+        """An allocation; or, if ``retry``, the last one refused for want of blocks, as it was."""
+        if retry and self.refused:
+            event("revisit: retried a rejected call")
+            n = self.refused
         self._allocate(n)
 
     def _allocate(self, n: int) -> list[int]:
         before = self.pool.snapshot()
         answer = self.pool("allocate", n, judged_by=model.invariant_eviction_order)
         if answer is None:
+            self.refused = n if isinstance(n, int) and n > len(self.pool.model.lru) else self.refused
             return []
+        self.refused = 0 if n == self.refused else self.refused
         self.check(model.invariant_in_use_never_reclaimed, before, self.pool.snapshot(), answer.actual)
         self.held.update(answer.actual)
         event("allocation exhausted the pool" if not self.pool.model.lru else "allocation left free blocks")
@@ -79,9 +89,13 @@ class BlockPoolMachine(LockstepMachine):
         self._release(sorted(self.held.elements()), note="everything")
 
     def _release(self, blocks: list[int], note: str = "") -> None:
+        """Release; then retry the allocation refused for want of blocks, as a waiting caller does."""
         if self.pool("release", blocks, note=note) is not None:
             self.held.subtract(blocks)
             self.held = +self.held
+            if self.refused:
+                event("revisit: retried a rejected call")
+                self._allocate(self.refused)
 
     def unregistered_held(self) -> list[int]:
         return sorted(b for b in self.held if self.pool.model.block_hashes[b] is None)
@@ -95,8 +109,11 @@ class BlockPoolMachine(LockstepMachine):
     @rule(block_hash=HASHES)
     def fill_and_cache(self, block_hash: str) -> None:
         """What a manager does for each prompt block: allocate it, fill it, register it."""
+        if block_hash in self.ever_cached and block_hash not in self.pool.model.cached:
+            event("revisit: replayed a prompt after eviction")
         for block in self._allocate(1):
-            self.pool("register", block, block_hash)
+            if self.pool("register", block, block_hash) is not None:
+                self.ever_cached.add(block_hash)
 
     @rule(data=st.data(), block_hash=HASHES)
     def register_any(self, data: st.DataObject, block_hash: str) -> None:
@@ -121,6 +138,7 @@ class BlockPoolMachine(LockstepMachine):
         before = self.pool.snapshot()
         answer = self.pool("evict", n, judged_by=model.invariant_eviction_order)
         if answer is not None:
+            event("evicted cached blocks" if answer.actual else "nothing to evict")
             self.check(model.invariant_in_use_never_reclaimed, before, self.pool.snapshot(), answer.actual)
 
     @invariant()

@@ -8,6 +8,9 @@ copies went, and asks the store for every block the node held.  ``serve``
 plays a request for a document: it looks each block up, reads it locally,
 pulls a replica, or -- when the prefix was lost -- recomputes it from the
 document's tokens and puts it back, and must read exactly the document.
+The search revisits: a put, get or replication refused (no unpinned room, a
+dead node) is retried after an unpin or a restart, and documents are served
+again, often after eviction or a fault took some of their blocks.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class KVStoreMachine(LockstepMachine):
         self.store = self.subject("store", model, model.new_store(nodes, capacities, policies), store)
         self.written: dict[Key, Tokens] = {}
         self.lost_in_fault: set[Key] = set()
+        self.refused: tuple[Callable[..., Any], tuple[Any, ...]] | None = None  # the put, get or replication
+        self.served: set[Tokens] = set()
         # Most runs start with a hot block on two nodes: replicas are rare otherwise, and stale ones hide there.
         if nodes > 1 and data.draw(st.integers(0, 7), label="start with a replicated block (unless 0)"):
             key, tokens = data.draw(KEYS, label="key"), data.draw(CONTENTS, label="tokens")
@@ -95,6 +100,7 @@ class KVStoreMachine(LockstepMachine):
 
     def _put(self, node: int, key: Key, tokens: Tokens) -> bool:
         ok, _ = self._op("put", node, key, tokens)
+        self.refused = self.refused if ok else (self._put, (node, key, tokens))
         if ok:
             if key in self.written and self.written[key] != tokens and len(model.lookup(self.store.model, key)) > 1:
                 event("re-put with new contents of a replicated block")
@@ -129,7 +135,15 @@ class KVStoreMachine(LockstepMachine):
             key,
             judge=lambda read: self.check(model.invariant_get_returns_put, key, self.written.get(key), read),
         )
+        self.refused = self.refused if ok else (self._get, (node, key))
         return read if ok else None
+
+    def retry_refused(self) -> None:
+        """The put, get or replication refused last, as it was, now that an unpin or restart changed things."""
+        if self.refused is not None:
+            (operation, args), self.refused = self.refused, None
+            event("revisit: retried a rejected call")
+            operation(*args)
 
     @rule(data=st.data(), tier=st.integers(-1, len(TIERS)))
     def demote_any(self, data: st.DataObject, tier: int) -> None:
@@ -191,6 +205,7 @@ class KVStoreMachine(LockstepMachine):
 
     def _replicate(self, key: Key, source: int, target: int) -> bool:
         ok, _ = self._op("replicate", key, source, target)
+        self.refused = self.refused if ok else (self._replicate, (key, source, target))
         if ok:
             event("replicated a block")
         return ok
@@ -208,7 +223,8 @@ class KVStoreMachine(LockstepMachine):
         self._unpin(node, copy_key)
 
     def _unpin(self, node: int, key: Key) -> None:
-        self._op("unpin", node, key)
+        if self._op("unpin", node, key)[0]:
+            self.retry_refused()
 
     @rule(data=st.data())
     def fail(self, data: st.DataObject) -> None:
@@ -243,7 +259,8 @@ class KVStoreMachine(LockstepMachine):
         dead = [n for n, up in enumerate(self.store.model.alive) if not up]
         restart_dead = bool(dead) and data.draw(st.booleans(), label="a failed node")
         node = data.draw(st.sampled_from(dead), label="node") if restart_dead else self.node(data)
-        self._op("restart", node)
+        if self._op("restart", node)[0]:
+            self.retry_refused()
 
     @rule(key=KEYS)
     def lookup(self, key: str) -> None:
@@ -258,13 +275,23 @@ class KVStoreMachine(LockstepMachine):
             ),
         )
 
-    @rule(data=st.data(), document=st.sampled_from(DOCUMENTS))
-    def serve(self, data: st.DataObject, document: Tokens) -> None:
-        """A request for ``document`` on a node: local hit, pulled replica, or recomputation."""
+    @rule(data=st.data(), document=st.sampled_from(DOCUMENTS), turns=st.integers(1, 2))
+    def serve(self, data: st.DataObject, document: Tokens, turns: int) -> None:
+        """A request for ``document`` on a node: local hit, pulled replica, or recomputation; a second
+        turn of the conversation reads the same prefix again, now partly demoted by the first."""
         node = data.draw(st.integers(0, len(self.store.model.alive) - 1), label="node")
+        for _ in range(turns):
+            self._serve(node, document)
+
+    def _serve(self, node: int, document: Tokens) -> None:
         if not self.store.model.alive[node]:
             return
         blocks = document_blocks(document)
+        if document in self.served:
+            event("revisit: re-admitted an earlier prompt")
+            if any((node, key) not in self.store.model.copies for key, _ in blocks):
+                event("revisit: replayed a prompt after eviction")
+        self.served.add(document)
         served: list[Tokens] = []
         for key, tokens in blocks:
             holders = [n for n, _ in model.lookup(self.store.model, key) if n != node]

@@ -5,10 +5,19 @@ evict, valid and invalid, serves whole requests the way an engine does
 (look the prompt up, admit it, decode, finish), and probes the hash chain
 with one-token and extra-key changes.  Prompts start with a cut of one of
 three fixed documents (two share their first block and a token) and end with
-new tokens from a three-letter alphabet, so hits, partial hits and duplicate
-blocks are common; sequence ids come from a few fixed slots.  Every draw
-means the same thing whatever ran before it, so failures shrink to a few
-steps.  The machine learns the relation between the implementation's hashes
+new tokens, mostly from a three-letter alphabet and sometimes at the edges of
+the id range (``properties.alphabets``), so hits, partial hits and duplicate
+blocks are common; sequence ids come from a few fixed slots.  Extra keys are
+None, an earlier key (so it hits), a near miss of an earlier key (so a
+careless encoding collides) or a new rich key.
+
+The search revisits: it retries the last rejected write once the cache has
+changed, re-admits an earlier request's prompt and key in the same slot or
+another, and replays an earlier prompt after evicting cached blocks.
+
+``DeferredCommitMachine`` runs the same rules on a manager that registers
+blocks only when the forward has run (``commit="after_forward"``): requests
+commit after each forward, and some are aborted -- freed -- before theirs.  The machine learns the relation between the implementation's hashes
 and the spec's ideal keys as it sees them, requires it to stay a bijection,
 and compares states through it.  Every pool and manager invariant is checked
 as well.
@@ -18,17 +27,17 @@ from __future__ import annotations
 
 from hypothesis import event
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
+from kvspec.properties.alphabets import EDGE_TOKENS, RICH_KEYS, TOKEN_WRAPS, near_misses
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import block_manager, block_pool
 from kvspec.spec import prefix_cache as model
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import invariant_result_matches_spec
 
-TOKENS = st.integers(0, 2)
-EXTRA_KEYS = st.sampled_from([None, None, "lora-a", ("tenant", 7)])
-NOT_EXTRA_KEYS = st.sampled_from([1.5, ["list"], frozenset({1})])
+TOKENS = st.one_of(st.integers(0, 2), st.integers(0, 2), st.integers(0, 2), EDGE_TOKENS)
+NOT_EXTRA_KEYS = st.sampled_from([1.5, ["list"], frozenset({1}), True])
 NOT_TOKENS = st.sampled_from([-1, 1.5, True, "7", None])
 SEQS = st.integers(0, 3)  # the slots that sequences live in
 REQUEST = 4  # the id a whole request is served under (serve_request frees it before returning)
@@ -45,6 +54,7 @@ def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
 class PrefixCacheMachine(LockstepMachine):
     capacities = st.integers(2, 6)
     block_sizes = st.integers(1, 3)
+    commit_point: model.Commit = "on_fill"
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
@@ -54,11 +64,13 @@ class PrefixCacheMachine(LockstepMachine):
         self.record(
             f"manager = prefix_caching_manager(capacity={capacity}, block_size={block_size}, policy={policy!r})"
         )
-        spec = model.new_caching_manager(block_size, block_pool.new_pool(capacity, policy, self.conventions.pool))
-        pool = self.implementation.block_pool(capacity, policy)
-        self.manager = self.subject(
-            "manager", model, spec, self.implementation.prefix_caching_manager(pool, block_size)
+        pool = block_pool.new_pool(capacity, policy, self.conventions.pool)
+        spec = model.new_caching_manager(block_size, pool, self.commit_point)
+        deferred = {"commit": self.commit_point} if self.deferred else {}  # only this machine needs the option
+        impl = self.implementation.prefix_caching_manager(
+            self.implementation.block_pool(capacity, policy), block_size, **deferred
         )
+        self.manager = self.subject("manager", model, spec, impl)
         self.block_size = block_size
         self.pairs: set[tuple[object, model.IdealKey]] = set()
         texts = documents(block_size)
@@ -69,6 +81,20 @@ class PrefixCacheMachine(LockstepMachine):
             st.lists(TOKENS, max_size=block_size + 1),
         )
         self.new_tokens = st.lists(TOKENS, max_size=block_size + 2)
+        self.keys: list[model.ExtraKey] = []  # every extra key drawn so far
+        self.admitted: list[tuple[int, list[int], model.ExtraKey, int]] = []  # (slot, prompt, key, evictions then)
+        self.rejected: tuple[str, int, tuple[object, ...]] | None = None  # the last write refused
+        self.evictions = 0  # cached blocks forgotten so far, by evict or by allocation
+
+    def extra_key(self, data: st.DataObject) -> model.ExtraKey:
+        """None, an earlier key (a hit), a near miss of one (a collision, if the encoding is careless), or a new one."""
+        choices = [st.none(), RICH_KEYS]
+        if self.keys:
+            earlier = st.sampled_from(self.keys)
+            choices += [earlier, earlier, earlier.flatmap(lambda key: st.sampled_from(near_misses(key)))]
+        key = data.draw(st.one_of(choices), label="extra key")
+        self.keys.append(key)
+        return key
 
     # -- learning the hash <-> ideal key relation ------------------------------------
 
@@ -88,11 +114,12 @@ class PrefixCacheMachine(LockstepMachine):
 
     # -- operations ----------------------------------------------------------------
 
-    def write(self, operation: str, seq: int, *args: object) -> None:
+    def write(self, operation: str, seq: int, *args: object) -> bool:
         before = self.manager.snapshot()
         answer = self.manager(operation, seq, *args, judged_by=None)  # plans are judged piece by piece below
         if answer is None:
-            return
+            self.rejected = (operation, seq, args)
+            return False
         expected, actual = answer.expected, answer.actual
         after = self.manager.snapshot()
         size = self.block_size
@@ -107,27 +134,113 @@ class PrefixCacheMachine(LockstepMachine):
         ]
         allocated += [copy for _, copy in actual.copies]
         self.check(model.invariant_evicts_only_what_is_needed, before.pool, after.pool, allocated)
+        forgotten = sum(
+            1 for b, h in enumerate(before.pool.block_hashes) if h not in (None, after.pool.block_hashes[b])
+        )
+        self.evictions += forgotten
+        if forgotten:
+            event("a write evicted cached blocks")
         event("prefix hit" if actual.cached_tokens else "no hit")
+        return True
 
-    @rule(seq=SEQS, data=st.data(), extra_key=EXTRA_KEYS)
-    def add_sequence(self, seq: int, data: st.DataObject, extra_key: model.ExtraKey) -> None:
-        self.admit(seq, data.draw(self.prompts, label="prompt"), extra_key)
-
-    def admit(self, seq: int, prompt: list[int], extra_key: model.ExtraKey) -> None:
-        """What a scheduler does: ask what is cached (changing nothing), then add the sequence."""
-        self.query_cached_prefix(prompt, extra_key)
-        self.write("add_sequence", seq, prompt, extra_key)
+    @rule(seq=SEQS, data=st.data(), same_slot=st.booleans())
+    def add_sequence(self, seq: int, data: st.DataObject, same_slot: bool) -> None:
+        """A new request in ``seq``, or an earlier one again: in the slot it had (if ``same_slot``) or in ``seq``,
+        freed first, as an engine reuses a finished request's slot."""
+        self.maybe_retry(data)
+        earlier, prompt, extra_key = self.request(data)
+        if earlier is not None:
+            seq = earlier if same_slot and earlier != REQUEST else seq
+            if seq in self.manager.model.manager.tables:
+                self.manager("free", seq)
+        self.admit(seq, prompt, extra_key, earlier)
 
     @rule(seq=SEQS, data=st.data())
     def append(self, seq: int, data: st.DataObject) -> None:
         self.write("append", seq, data.draw(self.new_tokens, label="tokens"))
 
-    @rule(data=st.data(), extra_key=EXTRA_KEYS)
-    def serve_request(self, data: st.DataObject, extra_key: model.ExtraKey) -> None:
-        """A whole request: look up, admit, decode, finish -- its full blocks stay cached in the free queue."""
-        self.admit(REQUEST, data.draw(self.prompts, label="prompt"), extra_key)
+    @rule(data=st.data())
+    def serve_request(self, data: st.DataObject) -> None:
+        """A whole request, new or earlier: look up, admit, decode, finish -- its full blocks stay cached."""
+        self.maybe_retry(data)
+        earlier, prompt, extra_key = self.request(data)
+        self.serve(data, prompt, extra_key, earlier)
+
+    def serve(self, data: st.DataObject, prompt: list[int], extra_key: model.ExtraKey, earlier: int | None) -> None:
+        """Admit, forward (commit), decode, forward (commit), finish."""
+        self.admit(REQUEST, prompt, extra_key, earlier)
+        self.forward(REQUEST)
         self.write("append", REQUEST, data.draw(self.new_tokens, label="decoded"))
+        self.forward(REQUEST)
         self.manager("free", REQUEST)
+
+    # -- deferred commit ---------------------------------------------------------------
+
+    @property
+    def deferred(self) -> bool:
+        return self.commit_point == "after_forward"
+
+    def forward(self, seq: int) -> None:
+        """The forward over ``seq`` ran: under deferred commit its filled blocks are registered now."""
+        if self.deferred:
+            pending = bool(self.manager.model.pending.get(seq))
+            if self.manager("commit", seq) is not None and pending:
+                event("commit registered blocks after the forward")
+
+    @precondition(lambda self: self.deferred)
+    @rule(seq=SEQS)
+    def commit(self, seq: int) -> None:
+        self.forward(seq)
+
+    @precondition(lambda self: self.deferred)
+    @rule(data=st.data())
+    def abort_request(self, data: st.DataObject) -> None:
+        """A request aborted before its forward: admitted, then freed with its blocks still pending."""
+        earlier, prompt, extra_key = self.request(data)
+        self.admit(REQUEST, prompt, extra_key, earlier)
+        if self.manager.model.pending.get(REQUEST):
+            event("abort before commit")
+        self.manager("free", REQUEST)
+
+    # -- revisiting: the same request again ------------------------------------------
+
+    def request(self, data: st.DataObject) -> tuple[int | None, list[int], model.ExtraKey]:
+        """(None, a new prompt, a key), or -- as often, once there is one -- an earlier admission's
+        (slot, prompt, key): it meets a cache that has changed since, evicted perhaps."""
+        if self.admitted and data.draw(st.booleans(), label="an earlier request"):
+            slot, prompt, extra_key, evictions = data.draw(st.sampled_from(self.admitted), label="earlier request")
+            if evictions < self.evictions:
+                event("revisit: replayed a prompt after eviction")
+            return slot, prompt, extra_key
+        return None, data.draw(self.prompts, label="prompt"), self.extra_key(data)
+
+    def admit(self, seq: int, prompt: list[int], extra_key: model.ExtraKey, earlier: int | None = None) -> bool:
+        """What a scheduler does: ask what is cached (changing nothing), then add the sequence."""
+        if earlier is not None:
+            event(f"revisit: re-admitted an earlier prompt in {'the same' if seq == earlier else 'another'} slot")
+        self.query_cached_prefix(prompt, extra_key)
+        if not self.write("add_sequence", seq, prompt, extra_key):
+            return False
+        self.admitted.append((seq, prompt, extra_key, self.evictions))
+        return True
+
+    def maybe_retry(self, data: st.DataObject) -> None:
+        """A scheduler retries its refused request before taking a new one -- as often as not."""
+        if self.rejected is not None and data.draw(st.booleans(), label="retry the refused write first"):
+            self.retry_rejected()
+
+    @precondition(lambda self: self.rejected is not None)
+    @rule()
+    def retry_rejected(self) -> None:
+        """Retry the last refused write as it was, now that the cache may have changed."""
+        assert self.rejected is not None
+        operation, seq, args = self.rejected
+        self.rejected = None
+        event("revisit: retried a rejected call")
+        if operation == "add_sequence":
+            self.admit(seq, *args)  # type: ignore[arg-type]
+        else:
+            self.write(operation, seq, *args)
 
     @rule(seq=SEQS, append=st.booleans(), data=st.data())
     def malformed(self, seq: int, append: bool, data: st.DataObject) -> None:
@@ -136,20 +249,23 @@ class PrefixCacheMachine(LockstepMachine):
         if append:
             self.write("append", seq, tokens)
             return
-        extra_key = data.draw(st.one_of(EXTRA_KEYS, NOT_EXTRA_KEYS), label="extra key")
+        extra_key = data.draw(st.one_of(NOT_EXTRA_KEYS, st.just(None)), label="extra key")
         self.write("add_sequence", seq, tokens, extra_key)
 
     @rule(parent=SEQS, child=SEQS)
     def fork(self, parent: int, child: int) -> None:
         self.manager("fork", parent, child)
 
-    @rule(seq=SEQS)
-    def free(self, seq: int) -> None:
-        self.manager("free", seq)
+    @rule(seq=SEQS, retry=st.booleans())
+    def free(self, seq: int, retry: bool) -> None:
+        """Finish a request; then, if ``retry``, the scheduler retries the write it was refused."""
+        if self.manager("free", seq) is not None and retry and self.rejected is not None:
+            self.retry_rejected()
 
-    @rule(data=st.data(), extra_key=EXTRA_KEYS)
-    def lookup(self, data: st.DataObject, extra_key: model.ExtraKey) -> None:
-        self.query_cached_prefix(data.draw(self.prompts, label="prompt"), extra_key)
+    @rule(data=st.data())
+    def lookup(self, data: st.DataObject) -> None:
+        _, prompt, extra_key = self.request(data)
+        self.query_cached_prefix(prompt, extra_key)
 
     def query_cached_prefix(self, tokens: list[int], extra_key: model.ExtraKey) -> None:
         """What a scheduler asks before admitting (vLLM's get_computed_blocks): it must change nothing."""
@@ -164,22 +280,35 @@ class PrefixCacheMachine(LockstepMachine):
         free_queue = model.abstract(self.manager.model).pool.free_queue  # a lookup is not a use: no block moves
         self.check(block_pool.invariant_eviction_order, free_queue, self.manager.snapshot().pool.free_queue)
 
-    @rule(n=st.integers(-1, 3))
+    @rule(n=st.integers(-1, 3), data=st.data())
+    def evict_and_replay(self, n: int, data: st.DataObject) -> None:
+        """Evict cached blocks; then, as often, serve an earlier request again: a shorter hit, or none."""
+        self.evict(n)
+        if self.admitted and data.draw(st.booleans(), label="replay an earlier request"):
+            earlier, prompt, extra_key, _ = data.draw(st.sampled_from(self.admitted), label="earlier request")
+            event("revisit: replayed a prompt after eviction")
+            self.serve(data, prompt, extra_key, earlier)
+
     def evict(self, n: int) -> None:
         before = self.manager.snapshot()
         answer = self.manager("evict", n, judged_by=block_pool.invariant_eviction_order)
         if answer is not None:
+            self.evictions += len(answer.actual)
+            event("evicted cached blocks" if answer.actual else "nothing to evict")
             after = self.manager.snapshot().pool
             self.check(block_pool.invariant_in_use_never_reclaimed, before.pool, after, answer.actual)
 
-    @rule(data=st.data(), extra_key=EXTRA_KEYS, other_key=EXTRA_KEYS)
-    def probe_hash_chain(self, data: st.DataObject, extra_key: model.ExtraKey, other_key: model.ExtraKey) -> None:
-        """Lecture exercise 10: one changed token re-hashes its block and every later one; so does another extra key."""
+    @rule(data=st.data(), delta=st.sampled_from([1, 1, *TOKEN_WRAPS]))
+    def probe_hash_chain(self, data: st.DataObject, delta: int) -> None:
+        """Lecture exercise 10: one changed token re-hashes its block and every later one; so does another extra
+        key.  The token changes by one or by a wrap of a narrow encoding; the other key is often a near miss."""
         size = self.block_size
         tokens = data.draw(st.lists(TOKENS, min_size=size, max_size=4 * size), label="tokens")
         position = data.draw(st.integers(0, len(tokens) - 1), label="position")
+        extra_key = self.extra_key(data)
+        other_key = data.draw(st.one_of(st.sampled_from(near_misses(extra_key)), RICH_KEYS), label="other key")
         changed = list(tokens)
-        changed[position] = tokens[position] + 1
+        changed[position] = tokens[position] + delta
         self.record(f"manager.block_hashes({tokens}) vs token {position} -> {changed[position]}, vs {other_key!r}")
         original = self.learn(tuple(tokens), extra_key)
         altered = self.learn(tuple(changed), extra_key)
@@ -195,10 +324,11 @@ class PrefixCacheMachine(LockstepMachine):
         state = self.manager.snapshot()
         expected = model.abstract(self.manager.model)
         self.check_group(block_manager.STATE, state)
+        rename = {block_hash: key for block_hash, key in self.pairs}
+        self.check(model.invariant_cached_block_holds_its_prefix, model.rename_hashes(state, rename))
         self.check(block_pool.invariant_eviction_order, expected.pool.free_queue, state.pool.free_queue)
         for seq, tokens in self.manager.model.manager.tokens.items():
             self.check(model.invariant_reuse_preserves_read_back, seq, self.manager.impl.read(seq), tokens)
-        rename = {block_hash: key for block_hash, key in self.pairs}
         self.check(block_manager.invariant_manager_refines_spec, model.rename_hashes(state, rename), expected)
 
     def teardown(self) -> None:
@@ -215,7 +345,14 @@ class RealisticPrefixCacheMachine(PrefixCacheMachine):
     block_sizes = st.just(16)
 
 
+class DeferredCommitMachine(PrefixCacheMachine):
+    """The same rules, blocks registered only after the forward, with aborts in between."""
+
+    commit_point: model.Commit = "after_forward"
+
+
 TestPrefixCache = conformance_test(PrefixCacheMachine)
+TestDeferredCommit = conformance_test(DeferredCommitMachine)
 TestRealisticPrefixCache = conformance_test(RealisticPrefixCacheMachine, examples=0.2)
 
 

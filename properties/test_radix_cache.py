@@ -5,7 +5,9 @@ and invalid, and serves requests as SGLang does: a request starts by matching
 its prompt, caching it and locking it, runs while other requests evict, and
 finishes by unlocking.  Keys are short strings over a three-letter alphabet,
 drawn without looking at the state (so paths branch and nodes split often,
-and a failure shrinks to a few steps).  The second has a radix cache and a
+and a failure shrinks to a few steps) -- or an earlier request's prompt
+again, often after eviction took part of it; a refused lock or unlock is
+retried once the tree has changed.  The second has a radix cache and a
 chained-hash prefix-caching manager with room to spare serve the same
 requests (add, append, free, lookup); asked the same prefix, their hits must
 agree at block granularity.
@@ -21,12 +23,13 @@ from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import block_pool
 from kvspec.spec import radix_cache as model
-from kvspec.spec.conventions import REFERENCE
+from kvspec.spec.conventions import REFERENCE, RadixConventions
 from kvspec.spec.implementation import Implementation
 
 TOKENS = st.integers(0, 2)
 KEYS = st.lists(TOKENS, max_size=6)
 NOT_TOKENS = st.sampled_from([-1, 1.5, None])
+EXTRA_KEYS = st.sampled_from([None, "lora-a", "lora-b"])  # SGLang's RadixKey.extra_key: a LoRA adapter's name
 AMPLE_BLOCKS = 4096
 CACHE_BUDGET = 8  # tokens a request's admission keeps the cache within, evicting
 
@@ -41,7 +44,7 @@ def drawn_key(data: st.DataObject, earlier: list[tuple[int, ...]], *, min_size: 
 
 
 class RadixCacheMachine(LockstepMachine):
-    running = Bundle("running")  # the keys that running requests hold locked
+    running = Bundle("running")  # (key, extra key) of each running request: what it holds locked
 
     @initialize()
     def start(self) -> None:
@@ -49,6 +52,10 @@ class RadixCacheMachine(LockstepMachine):
         spec = model.new_radix(self.conventions.radix)
         self.radix = self.subject("radix", model, spec, self.implementation.radix_cache())
         self.next_value = 0
+        self.extra_key: str | None = None  # the namespace the next calls come from
+        self.prompts: list[tuple[list[int], int]] = []  # each request's prompt, with the evictions before it
+        self.evicted = 0  # tokens evicted so far
+        self.refused: tuple[str, list[int]] | None = None  # the lock or unlock refused last
 
     # -- the radix cache against its model ---------------------------------------------
 
@@ -59,7 +66,18 @@ class RadixCacheMachine(LockstepMachine):
 
     @rule(key=KEYS, corrupt=st.integers(0, 9).map(lambda n: n == 0))
     def insert(self, key: list[int], corrupt: bool) -> None:
-        self.radix("insert", key, self.values_for(key, corrupt))
+        self.radix("insert", key, self.values_for(key, corrupt), *self.namespace(self.extra_key))
+
+    @rule(extra_key=EXTRA_KEYS)
+    def switch_namespace(self, extra_key: str | None) -> None:
+        """The next calls come from another LoRA adapter, if the cache declares extra-key namespaces."""
+        if self.conventions.radix.extra_key_namespaces:
+            self.extra_key = extra_key
+
+    @staticmethod
+    def namespace(extra_key: str | None) -> tuple[str, ...]:
+        """What a call passes after its arguments: the extra key, if there is one."""
+        return () if extra_key is None else (extra_key,)
 
     @rule(key=KEYS)
     def match_prefix(self, key: list[int]) -> None:
@@ -68,32 +86,49 @@ class RadixCacheMachine(LockstepMachine):
 
     def match(self, key: list[int]) -> int:
         """Match ``key`` on both sides; the number of tokens that hit."""
-        answer = self.radix("match_prefix", key, judged_by=model.invariant_radix_match_is_longest)
+        answer = self.radix(
+            "match_prefix", key, *self.namespace(self.extra_key), judged_by=model.invariant_radix_match_is_longest
+        )
         if answer is None:
             return 0
         event("radix hit" if answer.actual else "radix miss")
         return len(answer.actual)
 
-    @rule(key=KEYS, unlock=st.booleans())
-    def lock_or_unlock(self, key: list[int], unlock: bool) -> None:
-        """A lock or unlock of any key: an uncached key, or one holding no lock, is out of contract."""
-        self.radix("unlock" if unlock else "lock", key)
+    @rule(key=KEYS, unlock=st.booleans(), retry=st.booleans())
+    def lock_or_unlock(self, key: list[int], unlock: bool, retry: bool) -> None:
+        """A lock or unlock of any key: an uncached key, or one holding no lock, is out of contract.
+        If ``retry``, the one refused last instead, now that the tree may have changed."""
+        operation = "unlock" if unlock else "lock"
+        if retry and self.refused is not None:
+            (operation, key), self.refused = self.refused, None
+            event("revisit: retried a rejected call")
+        if self.radix(operation, key, *self.namespace(self.extra_key)) is None:
+            self.refused = (operation, key)
 
-    @rule(target=running, key=st.lists(TOKENS, min_size=1, max_size=6))
-    def start_request(self, key: list[int]) -> list[int]:
+    @rule(target=running, key=st.lists(TOKENS, min_size=1, max_size=6), data=st.data())
+    def start_request(self, key: list[int], data: st.DataObject) -> tuple[list[int], str | None]:
         """SGLang's admission: match the prompt, evict least recently used leaves to make room for the rest
-        within a budget of cached tokens, cache it, and lock the whole path while the request runs."""
+        within a budget of cached tokens, cache it, and lock the whole path while the request runs.  As often
+        as not the prompt is an earlier request's, met again after the tree changed.  A prompt is whole pages."""
+        key += [0] * (-len(key) % self.conventions.radix.page_size)
+        if self.prompts and data.draw(st.booleans(), label="an earlier prompt"):
+            key, evicted_then = data.draw(st.sampled_from(self.prompts), label="earlier prompt")
+            event("revisit: re-admitted an earlier prompt")
+            if evicted_then < self.evicted:
+                event("revisit: replayed a prompt after eviction")
+        self.prompts.append((key, self.evicted))
         matched = self.match(key)
         over_budget = len(self.radix.model.values) + len(key) - matched - CACHE_BUDGET
         if over_budget > 0:
             self.evict_both(over_budget)
-        self.radix("insert", key, self.values_for(key, corrupt=False))
-        self.radix("lock", key)
-        return key
+        self.radix("insert", key, self.values_for(key, corrupt=False), *self.namespace(self.extra_key))
+        self.radix("lock", key, *self.namespace(self.extra_key))
+        return key, self.extra_key
 
-    @rule(key=consumes(running))
-    def finish_request(self, key: list[int]) -> None:
-        self.radix("unlock", key)
+    @rule(request=consumes(running))
+    def finish_request(self, request: tuple[list[int], str | None]) -> None:
+        key, extra_key = request
+        self.radix("unlock", key, *self.namespace(extra_key))
 
     @rule(n=st.integers(-1, 8))
     def evict(self, n: int) -> None:
@@ -105,6 +140,7 @@ class RadixCacheMachine(LockstepMachine):
         if answer is None:
             return
         self.check_group(model.EVICTION, before, self.radix.snapshot(), answer.actual, n)
+        self.evicted += len(answer.actual)
         event("evicted from a tree with locks" if before.locks and answer.actual else "evicted without locks")
 
     # -- after every step --------------------------------------------------------------
@@ -183,3 +219,35 @@ def test_lru_leaf_first_eviction_keeps_the_shared_trunk(kv_implementation: Imple
     cache.lock([1, 2])
     assert cache.evict(10) == (70, 30)
     assert (cache.total_size(), cache.protected_size(), cache.evictable_size()) == (2, 2, 0)
+
+
+def test_a_new_leaf_is_newer_than_the_walk_that_made_it(kv_implementation: Implementation) -> None:
+    """Found against SGLang 0.5.23 (shrunk): the second insert splits [1, 1, 0, 0, 0] off its node and adds the
+    leaf [0, 0] beside it; SGLang stamps that new leaf after the walk, so the split-off tail is older and goes
+    first.  The implementation under test must evict what the model of its declared conventions evicts."""
+    calls = [
+        ("insert", [0, 0], [0, 1]),
+        ("lock", [0, 0]),
+        ("insert", [0, 1, 1, 0, 0, 0], [2, 3, 4, 5, 6, 7]),
+        ("lock", [0, 1, 1, 0, 0, 0]),
+        ("unlock", [0, 1, 1, 0, 0, 0]),
+        ("insert", [0, 1, 0, 0], [8, 9, 10, 11]),
+        ("match_prefix", [0]),
+    ]
+    sglang = model.new_radix(
+        RadixConventions(eviction_granularity="whole_leaves", recency="per_node", lock_by="handle")
+    )
+    cache, radix = kv_implementation.radix_cache(), model.new_radix(kv_implementation.conventions.radix)
+    if kv_implementation.conventions.radix.page_size != 1:
+        pytest.skip("the example's keys are not whole pages")
+    for operation, *args in calls:
+        getattr(cache, operation)(*args)
+        radix = model_step(radix, operation, *args)
+        sglang = model_step(sglang, operation, *args)
+    assert model.evict(sglang, 1)[1] == (7, 6, 5, 4)
+    assert cache.evict(1) == model.evict(radix, 1)[1]
+
+
+def model_step(radix: model.Radix, operation: str, *args: object) -> model.Radix:
+    result = getattr(model, operation)(radix, *args)
+    return result[0] if isinstance(result, tuple) else result

@@ -5,25 +5,41 @@ common case; requests of one to three samples arrive, are aborted, and the
 scheduler steps, preempting by recompute (``SchedulerMachine``) or by swap
 (``SwapSchedulerMachine``, which recomputes when the CPU is full).  After
 every operation the pool and manager invariants hold on both devices, the
-scheduler's own invariants hold, and the state is the model's (block numbers
-aside).  ``DeadlockFreedomMachine`` runs the implementation alone, with no
-model to follow, for long stretches: every accepted request fits the GPU
-alone, so each must finish by the deadline ``kvspec.spec.scheduler.deadline`` states.
+scheduler's own invariants and ``kvspec.spec.admission``'s hold, and the
+state is the model's (block numbers aside).  ``DeadlockFreedomMachine`` runs
+the implementation alone, with no model to follow, for long stretches: every
+accepted request fits the GPU alone, so each must finish by the deadline
+``kvspec.spec.scheduler.deadline`` states.
+
+The engine-shaped machines run the scheduler over prefix-caching managers
+(``CachedSchedulerMachine``: prompts cut from three documents, so admissions
+hit, and every admission's cached tokens are the spec's) and under the
+priority policy (``PrioritySchedulerMachine``: victims that arrived first,
+grants given back); in both, requests may arrive not ready and are marked
+ready later.
+
+Search revisits, in every lockstep machine: ``retry_rejected`` sends again
+the last call the spec refused (or an accepted request under its id again);
+``arrive_earlier_prompt`` admits an earlier request's prompt under a new id
+-- while the first is unfinished, after it finished, and (over the cache)
+after its blocks were evicted.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from hypothesis import event, target
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
 from kvspec.properties.harness import LockstepMachine, conformance_test
-from kvspec.spec import block_manager, block_pool
+from kvspec.spec import admission, block_manager, block_pool, prefix_cache
 from kvspec.spec import scheduler as model
 from kvspec.spec.errors import RequestTooLarge
-from kvspec.spec.scheduler import Preemption, Request, SchedulerConfig, SchedulerState, StepReport
+from kvspec.spec.invariants import invariant_result_matches_spec
+from kvspec.spec.prefix_cache import max_hit_blocks
+from kvspec.spec.scheduler import Preemption, QueuePolicy, Request, SchedulerConfig, SchedulerState, StepReport
 
 SIZES = {
     "gpu_blocks": st.integers(3, 8),
@@ -37,16 +53,21 @@ class SchedulerMachineBase(LockstepMachine):
     """Builds the scheduler under test and checks every invariant that needs no model."""
 
     preemption: ClassVar[Preemption] = "recompute"
+    policy: ClassVar[QueuePolicy] = "fcfs"
     samples: ClassVar[st.SearchStrategy[int]] = st.integers(1, 3)
+    readiness: ClassVar[st.SearchStrategy[bool]] = st.just(True)  # False: the request arrives not ready
+    priorities: ClassVar[st.SearchStrategy[int]] = st.just(0)
+    caching: ClassVar[bool] = False  # both devices' managers cache prefixes
 
     @initialize(**SIZES)
     def start(self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int) -> None:
-        self.config = SchedulerConfig(preemption=self.preemption, watermark=watermark)
+        self.config = SchedulerConfig(preemption=self.preemption, watermark=watermark, policy=self.policy)
         self.record(f"scheduler(gpu_blocks={gpu_blocks}, cpu_blocks={cpu_blocks}, B={block_size}, {self.config})")
         impl = self.implementation
+        manager = impl.prefix_caching_manager if self.caching else impl.block_manager
         scheduler = impl.scheduler(
-            impl.block_manager(impl.block_pool(gpu_blocks, "lru"), block_size),
-            impl.block_manager(impl.block_pool(cpu_blocks, "lru"), block_size),
+            manager(impl.block_pool(gpu_blocks, "lru"), block_size),
+            manager(impl.block_pool(cpu_blocks, "lru"), block_size),
             self.config,
         )
         self.scheduler = self.subject("scheduler", None, None, scheduler)
@@ -55,34 +76,50 @@ class SchedulerMachineBase(LockstepMachine):
         self.arrivals: dict[int, tuple[int, int]] = {}  # request -> (step it arrived after, unfinished then)
         self.longest = 0  # the largest max_new_tokens accepted so far: M of the deadline
         self.preemptions = 0
+        self.bounded = self.policy == "fcfs"  # the deadline holds under fcfs while every request arrives ready
+
+    def draw_prompt(self, data: st.DataObject) -> tuple[int, ...]:
+        prompt_len = data.draw(st.integers(1, 2 * self.sizes[2]), label="prompt_len")
+        return tuple(data.draw(st.lists(st.integers(0, 9), min_size=prompt_len, max_size=prompt_len), label="prompt"))
 
     def draw_request(self, data: st.DataObject) -> Request:
         """Sizes in blocks, so that two or three requests overfill the GPU and preemption is common."""
-        block_size = self.sizes[2]
-        prompt_len = data.draw(st.integers(1, 2 * block_size), label="prompt_len")
-        max_new_tokens = data.draw(st.integers(1, 3 * block_size), label="max_new_tokens")
+        prompt = self.draw_prompt(data)
+        max_new_tokens = data.draw(st.integers(1, 3 * self.sizes[2]), label="max_new_tokens")
         n = data.draw(self.samples, label="n")
-        prompt = data.draw(st.lists(st.integers(0, 9), min_size=prompt_len, max_size=prompt_len), label="prompt")
+        priority = data.draw(self.priorities, label="priority")
         self.next_id += 1
-        return Request(self.next_id, tuple(prompt), max_new_tokens, n)
+        return Request(self.next_id, prompt, max_new_tokens, n, priority, data.draw(self.readiness, label="ready"))
 
     def accepted(self, request: Request, state: SchedulerState) -> None:
         self.arrivals[request.request_id] = (state.steps, len(state.groups))
         self.longest = max(self.longest, request.max_new_tokens)
-        event("arrival accepted")
+        self.bounded = self.bounded and request.ready
+        event("arrival accepted" if request.ready else "arrival accepted, not ready")
 
     def stepped(self, before: SchedulerState, report: StepReport) -> None:
         after = self.scheduler.impl.snapshot()
         self.check_state(after)
-        self.check(model.invariant_oldest_never_preempted, before, report)
+        if self.policy == "fcfs":
+            self.check(model.invariant_oldest_never_preempted, before, report)
         self.check(model.invariant_admission_in_arrival_order, after, report)
-        for _, how in report.preempted:
+        self.check(admission.invariant_watermark_kept, after, report)
+        self.check(admission.invariant_admission_stops_only_when_short, after, report)
+        self.check(admission.invariant_preempted_keeps_no_grant, report)
+        self.check(admission.invariant_victims_rank_below_survivors, before, report)
+        ranks = {g.request.request_id: model.rank(g, self.policy) for g in before.groups}
+        for victim, how in report.preempted:
             event(f"preempted by {how}")
+            if any(ranks[victim][1] < ranks[rid][1] for rid, _ in report.granted):
+                event("victim arrived before a request that kept its grant")
         self.preemptions += len(report.preempted)
 
     def check_state(self, state: SchedulerState) -> None:
-        deadlines = {rid: model.deadline(after, k, self.longest) for rid, (after, k) in self.arrivals.items()}
-        self.check_group(model.STATE, state, deadlines)
+        self.check_group(model.STATE, state)
+        self.check(admission.invariant_not_ready_never_admitted, state)
+        if self.bounded:
+            deadlines = {rid: model.deadline(after, k, self.longest) for rid, (after, k) in self.arrivals.items()}
+            self.check(model.invariant_finishes_within_bound, state, deadlines)
 
     def teardown(self) -> None:
         if hasattr(self, "scheduler"):
@@ -98,20 +135,44 @@ class SchedulerMachine(SchedulerMachineBase):
     def start(self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int) -> None:
         super().start(gpu_blocks, cpu_blocks, block_size, watermark)
         self.scheduler.spec = model
-        self.scheduler.model = model.new_model(
-            block_manager.new_manager(block_size, block_pool.new_pool(gpu_blocks)),
-            block_manager.new_manager(block_size, block_pool.new_pool(cpu_blocks)),
-            self.config,
-        )
+        self.scheduler.model = model.new_model(self.memory(gpu_blocks), self.memory(cpu_blocks), self.config)
+        self.requests: list[Request] = []  # every request accepted, in arrival order
+        self.rejected: tuple[str, Any] | None = None  # the last call the spec refused
+        self.admitted: set[int] = set()
+
+    def memory(self, capacity: int) -> model.Memory:
+        pool = block_pool.new_pool(capacity, "lru", self.conventions.pool)
+        if self.caching:
+            return prefix_cache.new_caching_manager(self.sizes[2], pool)
+        return block_manager.new_manager(self.sizes[2], pool)
+
+    def call(self, operation: str, argument: Any) -> bool:
+        """``operation(argument)`` on both sides; remembers it if the spec refused it."""
+        refused = self.scheduler(operation, argument) is None
+        if refused:
+            self.rejected = (operation, argument)
+        return not refused
 
     def arrive(self, request: Request) -> None:
-        if self.scheduler("arrive", request) is not None:
+        if self.call("arrive", request):
             self.accepted(request, model.abstract(self.scheduler.model))
+            self.requests.append(request)
 
-    @rule(data=st.data(), then_steps=st.integers(0, 3))
-    def arrive_request(self, data: st.DataObject, then_steps: int) -> None:
-        """Arrivals step the scheduler too: Hypothesis's swarm testing often disables the step rule."""
-        self.arrive(self.draw_request(data))
+    @rule(
+        data=st.data(), source=st.sampled_from(["new", "earlier prompt", "new", "retry"]), then_steps=st.integers(0, 3)
+    )
+    def arrive_request(self, data: st.DataObject, source: str, then_steps: int) -> None:
+        """A new request, an earlier prompt again, or the last refused call again; then (often) steps.
+
+        Revisits ride on the arrival rule, which runs in nearly every example (swarm testing disables a rule
+        of its own in many); arrivals step the scheduler because it often disables the step rule.
+        """
+        if source == "retry":
+            self.retry_refused()
+        elif source == "earlier prompt" and self.requests:
+            self.arrive_earlier_prompt(data.draw(st.integers(0, 7), label="earlier"))
+        else:
+            self.arrive(self.draw_request(data))
         self.step(then_steps)
 
     @rule(
@@ -124,6 +185,32 @@ class SchedulerMachine(SchedulerMachineBase):
         """Duplicate ids, empty prompts, zero outputs or samples: all out of contract."""
         self.arrive(Request(request_id, tuple(prompt), max_new_tokens, n))
 
+    def retry_refused(self) -> None:
+        """The last refused call again -- refused again, with no trace -- or an accepted request under its id."""
+        if self.rejected is not None:
+            operation, argument = self.rejected
+            event(f"retried a refused {operation}")
+            if operation == "arrive":
+                self.arrive(argument)
+            else:
+                self.call(operation, argument)
+        elif self.requests:
+            event("sent an accepted request again")
+            self.arrive(self.requests[-1])
+
+    def arrive_earlier_prompt(self, index: int) -> None:
+        """An earlier request's prompt under a new id: a retry by the user, a replay after eviction."""
+        earlier = self.requests[index % len(self.requests)]  # the oldest first: the likeliest evicted
+        unfinished = any(g.request.request_id == earlier.request_id for g in self.scheduler.model.groups)
+        event("earlier prompt again, first run unfinished" if unfinished else "earlier prompt again, first run over")
+        if self.caching and earlier.request_id in self.admitted:
+            cached = len(model.prefix_hits(self.scheduler.model.gpu, earlier.prompt))
+            full = max_hit_blocks(len(earlier.prompt), self.sizes[2])
+            if full:
+                event("replayed a prompt after eviction" if cached < full else "replayed a prompt still cached")
+        self.next_id += 1
+        self.arrive(Request(self.next_id, earlier.prompt, earlier.max_new_tokens, earlier.n, earlier.priority))
+
     @rule(count=st.integers(1, 6))
     def step_rule(self, count: int) -> None:
         self.step(count)
@@ -131,17 +218,30 @@ class SchedulerMachine(SchedulerMachineBase):
     def step(self, count: int) -> None:
         for _ in range(count):
             before = self.scheduler.impl.snapshot()
-            answer = self.scheduler("step")
+            answer = self.scheduler("step", judged_by=None)
             if answer is None:
                 return
+            self.check(admission.invariant_hits_probed_at_admission, answer.expected, answer.actual)
+            self.check(invariant_result_matches_spec, answer.expected, answer.actual)
             self.stepped(before, answer.actual)
             expected = model.abstract(self.scheduler.model)
             self.check(model.invariant_scheduler_refines_spec, self.scheduler.impl.snapshot(), expected)
+            self.admitted.update(answer.expected.admitted)
+            for _, cached in answer.expected.cached_tokens:
+                hits = cached // self.sizes[2]
+                event(f"admission hit {hits if hits < 3 else '3+'} blocks" if self.caching else "admission")
 
-    @rule(request_id=st.integers(0, 12))
-    def abort(self, request_id: int) -> None:
-        if self.scheduler("abort", request_id) is not None:
+    @rule(index=st.integers(0, 8))
+    def abort(self, index: int) -> None:
+        """An unfinished request (often) or an unknown id; a request cut short by a stop string is aborted too."""
+        request_id = self.unfinished(index)
+        if self.call("abort", request_id):
             del self.arrivals[request_id]
+
+    def unfinished(self, index: int, ready: bool | None = None) -> int:
+        """The index-th unfinished request (of the given readiness), or the index itself as an id."""
+        ids = [g.request.request_id for g in self.scheduler.model.groups if ready is None or g.ready == ready]
+        return ids[index] if index < len(ids) else index
 
     @invariant()
     def matches_model(self) -> None:
@@ -156,6 +256,51 @@ class SwapSchedulerMachine(SchedulerMachine):
 
     preemption: ClassVar[Preemption] = "swap"
     samples: ClassVar[st.SearchStrategy[int]] = st.sampled_from([2, 3, 1])
+
+
+def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
+    """Three texts prompts are cut from: the first two share their first block, the third nothing."""
+    first = tuple((3 * i + 1) % 10 for i in range(2 * block_size + 1))
+    second = first[:block_size] + tuple((t + 5) % 10 for t in first[block_size:])
+    return first, second, tuple(9 - t for t in first)
+
+
+class CachedSchedulerMachine(SchedulerMachine):
+    """The engine's shape: preemption, abort and re-admission over prefix-caching managers, requests not ready.
+
+    Prompts are cuts of three documents with a short tail, so admissions hit; a hit is probed again at every
+    attempt, and every admission's cached tokens must be the spec's.
+    """
+
+    preemption: ClassVar[Preemption] = "swap"
+    caching: ClassVar[bool] = True
+    readiness: ClassVar[st.SearchStrategy[bool]] = st.sampled_from([True, True, False])
+
+    @initialize(**{**SIZES, "gpu_blocks": st.integers(4, 10)})
+    def start(self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int) -> None:
+        super().start(gpu_blocks, cpu_blocks, block_size, watermark)
+
+    def draw_prompt(self, data: st.DataObject) -> tuple[int, ...]:
+        size = self.sizes[2]
+        text = data.draw(st.sampled_from(documents(size)), label="document")
+        dropped = data.draw(st.integers(0, len(text) - 1), label="dropped")
+        tail = data.draw(st.lists(st.integers(0, 9), max_size=size // 2), label="tail")
+        return text[: len(text) - dropped] + tuple(tail)
+
+    @rule(index=st.integers(0, 4), then_steps=st.integers(0, 2))
+    def mark_ready(self, index: int, then_steps: int) -> None:
+        """A request not ready gets its remote KV (often); a ready or unknown one is out of contract."""
+        request_id = self.unfinished(index, ready=False)
+        if self.call("mark_ready", request_id):
+            event("marked ready")
+        self.step(then_steps)
+
+
+class PrioritySchedulerMachine(CachedSchedulerMachine):
+    """The priority policy over the cache: a victim may have arrived first and hold its grant already."""
+
+    policy: ClassVar[QueuePolicy] = "priority"
+    priorities: ClassVar[st.SearchStrategy[int]] = st.integers(0, 2)
 
 
 class DeadlockFreedomMachine(SchedulerMachineBase):
@@ -184,3 +329,5 @@ class DeadlockFreedomMachine(SchedulerMachineBase):
 TestSchedulerRecompute = conformance_test(SchedulerMachine)
 TestSchedulerSwap = conformance_test(SwapSchedulerMachine)
 TestDeadlockFreedom = conformance_test(DeadlockFreedomMachine)
+TestCachedScheduler = conformance_test(CachedSchedulerMachine)
+TestPriorityScheduler = conformance_test(PrioritySchedulerMachine)

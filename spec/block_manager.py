@@ -23,6 +23,9 @@ Rules (vLLM §4.2-4.4 and §5, lecture §4-5):
   group is kept, and the blocks are released in ``src``.  Moved blocks arrive
   uncached: ``dst``'s prefix cache does not learn them, so a later prompt
   recomputes rather than hits them (swap is for resuming, not for sharing).
+* Ownership: the caller keeps every list it passes (prompts, tokens, groups)
+  and may overwrite or reuse it for the next request at once: the manager
+  copies what it keeps.  Tables, reads and plans it answers are the caller's.
 * Every operation is all or nothing: ``OutOfBlocks`` or ``InvalidOperation``
   leaves the manager and its pool as they were.
 

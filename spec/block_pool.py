@@ -18,6 +18,8 @@ Rules (vLLM §4.1-4.2, lecture §4; vLLM v1 ``BlockPool`` is the model):
   given; a block whose count reaches zero enters the free queue.  Managers
   release a sequence's table last block first, so that a sequence's last
   blocks -- the least likely to be shared by a later prompt -- are evicted first.
+* Ownership: the caller keeps the lists of blocks it passes and may overwrite
+  them at once; a list the pool answers (``allocate``, ``evict``) is the caller's.
 * ``register(block, hash)`` caches an in-use full block under a hash.
   ``lookup(hash)`` names the cached block, in use or free (of several, the
   one registered first).  ``evict(n)`` forgets the hashes of up to ``n`` free

@@ -31,15 +31,15 @@ The fields, one per choice observed in vLLM v1 and SGLang:
   (SGLang stamps the nodes a match or insert visits).
 * ``RadixConventions.lock_by`` -- ``key`` (reference) or ``handle`` (SGLang
   locks the node a match returned; locking the root is a no-op).
-* ``RadixConventions.page_size`` -- tokens per page; keys match in whole pages.
+* ``RadixConventions.page_size`` -- tokens per page; keys match in whole pages
+  (reference: 1, though its cache is built for any page size).
 * ``RadixConventions.extra_key_namespaces`` -- whether an extra key (adapter,
-  tenant) separates otherwise equal keys.
+  tenant) separates otherwise equal keys (reference and SGLang: yes).
 
 What each choice means exactly is stated, and modelled, in the layer's spec
 module: ``spec.block_pool`` for the pool's, ``spec.radix_cache`` for the
-radix cache's.  (The radix cache's page size and extra-key namespaces are
-declared here but not yet modelled: the machines drive page size 1 and no
-extra key, which every engine supports.)
+radix cache's.  The machines draw from what an implementation declares:
+keys cut to its page size, extra keys only where it declares namespaces.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ class Implementation:
         None  # contiguous_allocator(capacity, placement): see spec.contiguous
     )
     kv_store: Callable[..., Any] | None = None  # kv_store(nodes, capacities, policies): see spec.kv_store
+    sliding_window_manager: Callable[..., Any] | None = None  # (pool, block_size, window): see spec.sliding_window
 
     borrowed: frozenset[str] = frozenset()  # the components complete_with took from the reference
 

@@ -36,6 +36,7 @@ Rules (lecture §9.2-9.3; Mooncake §3-4, the store its Conductor places blocks 
   lookups stop naming it at once; every operation naming a dead node is an
   ``InvalidOperation`` until ``restart(node)`` brings it back empty.
 * ``lookup(key)`` names every (node, tier) of a live node holding the key.
+* Ownership: the store copies the tokens it is given; what it answers is the caller's.
 * Bad input (unknown node, tier or key, a dead node, unpin without pin, a
   replica onto a node that holds the key) raises ``InvalidOperation``; every
   failed operation changes nothing.

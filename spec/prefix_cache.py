@@ -25,6 +25,18 @@ Rules (lecture §8, vLLM automatic prefix caching, Mooncake §3):
 * ``fork`` passes the parent's extra key to the child; ``free`` releases as in
   layer 2 and full blocks stay cached in the free queue until allocation takes
   them (the pool's policy order: LRU or LFU) or ``evict(n)`` forgets them.
+* **Deferred commit** (``commit="after_forward"``, as engines that cache a
+  block only once the forward that computes its KV has run): a block that
+  fills is *pending*, not registered; ``commit(seq)`` -- the forward over
+  the sequence finished -- registers its pending blocks in order (one that
+  already carries a hash is skipped), and a fork's child inherits the
+  parent's pending blocks.  Freeing a sequence before its commit is an
+  **abort**: its pending blocks are dropped, never registered, so KV that
+  was never computed is never reused.  Under ``on_fill`` (the default)
+  ``commit`` does nothing.
+* Ownership: the caller keeps every list it passes (prompts, tokens, groups)
+  and may overwrite it at once; the manager keeps copies.  What it answers
+  (hashes, hit blocks, plans) belongs to the caller.
 * ``cached_prefix(tokens, extra_key)`` names the blocks admission would reuse
   (uncapped) and changes nothing -- in particular it touches no LRU position.
 
@@ -46,6 +58,9 @@ Invariants:
   up to the first miss.
 * ``invariant_reuse_preserves_read_back`` [safety] -- a sequence reads back what it was
   given, hit or not.
+* ``invariant_cached_block_holds_its_prefix`` [safety] -- a cached block holds the
+  last block of the prefix it is cached under (an aborted request's block,
+  reallocated, must not be registered by a commit that outlived the abort).
 * ``invariant_evicts_only_what_is_needed`` [convention] -- a write forgets a cached block
   only by handing that very block out.
   (Plus, reused by name: the pool's ``invariant_in_use_never_reclaimed`` and
@@ -55,7 +70,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -66,6 +81,8 @@ from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant
 
 ExtraKey = Hashable
+Commit = Literal["on_fill", "after_forward"]
+COMMITS: tuple[Commit, ...] = ("on_fill", "after_forward")
 IdealKey = tuple[ExtraKey, tuple[int, ...]]
 
 
@@ -95,11 +112,13 @@ def max_hit_blocks(prompt_length: int, block_size: int) -> int:
 
 @runtime_checkable
 class PrefixCachingManager(block_manager.BlockManager, Protocol):
-    """A block manager with a prefix cache.  ``add_sequence`` takes an ``extra_key``."""
+    """A block manager with a prefix cache.  ``add_sequence`` takes an ``extra_key``; the factory,
+    ``prefix_caching_manager(pool, block_size, commit="on_fill")``, the commit point."""
 
     def block_hashes(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[Hashable, ...]: ...
     def cached_prefix(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]: ...
     def evict(self, n: int) -> list[int]: ...
+    def commit(self, seq: SeqId) -> None: ...
 
 
 # -- the model -------------------------------------------------------------------
@@ -111,14 +130,19 @@ class CachingManager:
 
     manager: Manager
     extra_keys: Mapping[SeqId, ExtraKey]
+    commit: Commit = "on_fill"
+    pending: Mapping[SeqId, tuple[int, ...]] = attrs.field(factory=dict)  # after_forward: filled block indices
 
 
-def new_caching_manager(block_size: int, pool: Pool) -> CachingManager:
-    return CachingManager(manager=block_manager.new_manager(block_size, pool), extra_keys={})
+def new_caching_manager(block_size: int, pool: Pool, commit: Commit = "on_fill") -> CachingManager:
+    if commit not in COMMITS:
+        raise InvalidOperation(f"unknown commit point {commit!r}; choose from {COMMITS}")
+    return CachingManager(manager=block_manager.new_manager(block_size, pool), extra_keys={}, commit=commit)
 
 
 def cached_prefix(cm: CachingManager, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
     """The longest run of cached full blocks from the start, stopping at the first miss."""
+    tokens, extra_key = block_manager.check_tokens(tokens, allow_empty=True), check_extra_key(extra_key)
     hits = []
     for key in ideal_keys(tokens, cm.manager.block_size, extra_key):
         block = block_pool.lookup(cm.manager.pool, key)
@@ -153,12 +177,34 @@ def append(cm: CachingManager, seq: SeqId, tokens: Sequence[int]) -> tuple[Cachi
 
 def fork(cm: CachingManager, parent: SeqId, child: SeqId) -> CachingManager:
     manager = block_manager.fork(cm.manager, parent, child)
-    return attrs.evolve(cm, manager=manager, extra_keys={**cm.extra_keys, child: cm.extra_keys[parent]})
+    pending = {**cm.pending, child: cm.pending.get(parent, ())}
+    return attrs.evolve(
+        cm, manager=manager, extra_keys={**cm.extra_keys, child: cm.extra_keys[parent]}, pending=pending
+    )
 
 
 def free(cm: CachingManager, seq: SeqId) -> CachingManager:
+    """Release the sequence; before its commit, an abort: its pending blocks are dropped."""
     manager = block_manager.free(cm.manager, seq)
-    return attrs.evolve(cm, manager=manager, extra_keys={s: k for s, k in cm.extra_keys.items() if s != seq})
+    return attrs.evolve(
+        cm,
+        manager=manager,
+        extra_keys={s: k for s, k in cm.extra_keys.items() if s != seq},
+        pending={s: p for s, p in cm.pending.items() if s != seq},
+    )
+
+
+def commit(cm: CachingManager, seq: SeqId) -> CachingManager:
+    """The forward over ``seq`` ran: register its pending blocks, in order, skipping any already cached."""
+    block_manager.require_live(cm.manager, seq)
+    manager = cm.manager
+    table, tokens, size = manager.tables[seq], manager.tokens[seq], manager.block_size
+    for index in cm.pending.get(seq, ()):
+        if manager.pool.block_hashes[table[index]] is None:
+            key = (cm.extra_keys[seq], tokens[: (index + 1) * size])
+            pool, _ = block_pool.register(manager.pool, table[index], key)
+            manager = attrs.evolve(manager, pool=pool)
+    return attrs.evolve(cm, manager=manager, pending={s: p for s, p in cm.pending.items() if s != seq})
 
 
 def move_sequences(
@@ -167,7 +213,12 @@ def move_sequences(
     """Layer 2's move (swap): the group's extra keys travel with it, its blocks arrive uncached."""
     src_manager, dst_manager, mapping = block_manager.move_sequences(src.manager, dst.manager, seqs)
     keys = {seq: src.extra_keys[seq] for seq in seqs}
-    src = attrs.evolve(src, manager=src_manager, extra_keys={s: k for s, k in src.extra_keys.items() if s not in keys})
+    src = attrs.evolve(
+        src,
+        manager=src_manager,
+        extra_keys={s: k for s, k in src.extra_keys.items() if s not in keys},
+        pending={s: p for s, p in src.pending.items() if s not in keys},
+    )
     return src, attrs.evolve(dst, manager=dst_manager, extra_keys={**dst.extra_keys, **keys}), mapping
 
 
@@ -189,7 +240,9 @@ def _write_registering(cm: CachingManager, seq: SeqId, tokens: tuple[int, ...]) 
         slots += plan.slots
         start += room_in_block
         written = manager.tokens[seq]
-        if len(written) % size == 0:
+        if len(written) % size == 0 and cm.commit == "after_forward":
+            cm = attrs.evolve(cm, pending={**cm.pending, seq: cm.pending.get(seq, ()) + (len(written) // size - 1,)})
+        elif len(written) % size == 0:
             key = (extra_key, written)
             pool, _ = block_pool.register(manager.pool, manager.tables[seq][-1], key)
             manager = attrs.evolve(manager, pool=pool)
@@ -294,4 +347,19 @@ def invariant_evicts_only_what_is_needed(before: PoolState, after: PoolState, al
     needless = sorted(set(forgotten) - set(allocated))
     if needless:
         return f"forgot the cached blocks {needless} while allocating only {sorted(set(allocated))}"
+    return None
+
+
+@invariant(
+    "a cached block is reused by every later request with its prefix: it must hold that prefix's last block",
+    "safety",
+)
+def invariant_cached_block_holds_its_prefix(state: ManagerState) -> str | None:
+    """Over a state whose hashes are ideal keys (an implementation's renamed through the learned relation)."""
+    size = state.block_size
+    for block, key in enumerate(state.pool.block_hashes):
+        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], tuple):
+            held, want = tuple(state.contents.get(block, ())), key[1][-size:]
+            if held != want:
+                return f"block {block} is cached under a prefix ending {want}, but holds {held}"
     return None

@@ -11,7 +11,7 @@ Rules (lecture §8.1; SGLang ``RadixCache``):
 * ``insert(key, values)`` caches ``key`` with one value per token; tokens
   already cached keep their old values (the caller frees its duplicates) and
   the answer is how many leading tokens were already there.  The path is
-  marked as used.
+  marked as used, and then the new tokens: they are newer than the path.
 * ``lock(key)`` / ``unlock(key)`` -- SGLang's ``inc_lock_ref`` /
   ``dec_lock_ref`` on the node ending ``key`` -- protect a fully cached path
   while a request reads it.  Locks are counted per key; unlocking a key that
@@ -19,10 +19,22 @@ Rules (lecture §8.1; SGLang ``RadixCache``):
 * ``evict(num_tokens)`` removes exactly ``min(num_tokens, evictable)`` tokens,
   one at a time, always an unprotected *leaf* (a token no cached token
   extends), the least recently used first.  It answers the evicted values in
-  that order.  Ties cannot occur: each operation marks one path, so two
-  leaves never share a time.
+  that order.  Ties cannot occur: the tokens an operation marks at one time
+  lie on one path, so two leaves never share a time.
+* Pages: with a page size of ``p`` tokens, keys are cut to whole pages
+  before anything else (a key's last ``len(key) % p`` tokens are ignored,
+  SGLang's ``RadixKey.page_aligned``), a match hits whole pages only, a lock
+  by key names whole pages, and eviction removes a leaf page at a time.  Two
+  pages that share leading tokens share no KV: a token is named by its page
+  and its place in it (``name_tokens``).
+* Namespaces: every operation but ``evict`` takes an optional ``extra_key``
+  (a LoRA adapter, a tenant; ``spec.prefix_cache.check_extra_key``).  Keys
+  under different extra keys never share a token: a token named ``n`` is
+  named ``(e, n)`` under extra key ``e``, as SGLang's child keys are.
+  Eviction order spans every namespace.
 * Bad arguments (a negative count, values not matching the key, locking an
-  uncached key) raise ``InvalidOperation`` and change nothing.
+  uncached key or a partial page, an extra key where none is declared) raise
+  ``InvalidOperation`` and change nothing.
 
 Conventions (``spec.conventions.RadixConventions``; the reference's first).
 They speak of *nodes*: a compressed tree's runs of tokens.  A node ends
@@ -36,17 +48,22 @@ ends inside it (so a branch point always ends a node); eviction never merges.
 * ``recency`` -- ``per_token`` marks exactly the tokens matched or inserted;
   ``per_node`` marks every node the walk visits, whole, before splitting it
   (SGLang stamps a node and then splits it, so a partial match also marks
-  the node's unmatched tail).
+  the node's unmatched tail), and a split -- by a lock too -- marks the upper
+  part it cuts off after that (SGLang's ``_split_node`` creates a new
+  ``TreeNode``, stamped when created).
 * ``lock_by`` -- ``key`` as above; ``handle`` locks (unlocks) the node a match
   of the key ends at -- the longest cached prefix of the key, with no mark of
   use -- and a key with no cached prefix names the root, where lock and
   unlock do nothing (SGLang's ``inc_lock_ref`` / ``dec_lock_ref`` on the node
   ``match_prefix`` returned).  Unlocking a node that holds no lock is still
   an ``InvalidOperation``.
+* ``page_size`` -- tokens per page, as above (reference: 1).
+* ``extra_key_namespaces`` -- whether the cache takes extra keys (reference:
+  yes).  Without, an extra key is an ``InvalidOperation``.
 
 Theory of operation: ``Radix`` is a token-level trie in a dict keyed by
-prefix, with a logical clock; a real implementation compresses runs of
-tokens into nodes (and splits them when a match, insert or lock ends inside
+prefix, with a logical clock that advances at each mark; a real
+implementation compresses runs of tokens into nodes (and splits them when a match, insert or lock ends inside
 one).  ``abstract`` forgets the clock: implementations are compared through
 ``RadixState`` and through the order of what they evict.
 
@@ -71,7 +88,7 @@ Invariants (tier in brackets):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -80,8 +97,9 @@ from kvspec.spec.block_manager import check_tokens
 from kvspec.spec.conventions import REFERENCE, RadixConventions
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import Group, diff_states, invariant
+from kvspec.spec.prefix_cache import ExtraKey, check_extra_key
 
-Key = tuple[int, ...]
+Key = tuple[Hashable, ...]  # a cached prefix: its tokens, each named as ``name_tokens`` says
 
 
 @attrs.frozen
@@ -100,10 +118,10 @@ class RadixState:
 class RadixCache(Protocol):
     """What a radix cache offers; thin enough to wrap SGLang's ``RadixCache``."""
 
-    def match_prefix(self, key: Sequence[int]) -> tuple[int, ...]: ...
-    def insert(self, key: Sequence[int], values: Sequence[int]) -> int: ...
-    def lock(self, key: Sequence[int]) -> None: ...
-    def unlock(self, key: Sequence[int]) -> None: ...
+    def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]: ...
+    def insert(self, key: Sequence[int], values: Sequence[int], extra_key: ExtraKey = None) -> int: ...
+    def lock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None: ...
+    def unlock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None: ...
     def evict(self, num_tokens: int) -> tuple[int, ...]: ...
     def total_size(self) -> int: ...
     def evictable_size(self) -> int: ...
@@ -134,6 +152,36 @@ def abstract(radix: Radix) -> RadixState:
     return RadixState(values=dict(radix.values), locks=dict(radix.locks))
 
 
+def name_tokens(tokens: Sequence[int], page_size: int = 1, extra_key: ExtraKey = None) -> Key:
+    """How a cache names the tokens of a key in its abstract state (``RadixState``).
+
+    With page size 1 a token is named by its id; with pages, by its page (the page's token ids) and its
+    place in it, so that pages which share leading tokens stay apart; under an extra key ``e``, each name
+    ``n`` becomes ``(e, n)``.  A cached token is keyed by the names of the whole prefix ending at it.
+    """
+    named: list[Hashable] = list(tokens)
+    if page_size > 1:
+        named = [
+            (tuple(tokens[i - i % page_size : i - i % page_size + page_size]), i % page_size)
+            for i in range(len(tokens))
+        ]
+    if extra_key is not None:
+        named = [(extra_key, name) for name in named]
+    return tuple(named)
+
+
+def _key(radix: Radix, key: object, extra_key: object, *, cut: bool) -> Key:
+    """``key`` named (``name_tokens``); ``cut``: its partial last page dropped, else a partial page is refused."""
+    tokens = check_tokens(key, allow_empty=True)
+    extra_key = check_extra_key(extra_key)
+    if extra_key is not None and not radix.conventions.extra_key_namespaces:
+        raise InvalidOperation(f"extra key {extra_key!r}: this cache declares no extra-key namespaces")
+    page_size = radix.conventions.page_size
+    if len(tokens) % page_size and not cut:
+        raise InvalidOperation(f"{tokens} is not a whole number of pages of {page_size} tokens")
+    return name_tokens(tokens[: len(tokens) - len(tokens) % page_size], page_size, extra_key)
+
+
 def _longest_cached(radix: Radix, key: Key) -> int:
     length = 0
     while length < len(key) and key[: length + 1] in radix.values:
@@ -150,9 +198,17 @@ def _node_of(radix: Radix, prefix: Key) -> tuple[Key, ...]:
     return tuple(node)
 
 
-def _split_at(radix: Radix, *prefixes: Key) -> Radix:
-    """Nodes end at each non-empty prefix given (a walk that stops inside a node splits it)."""
-    return attrs.evolve(radix, node_ends=radix.node_ends | {p for p in prefixes if p})
+def _split_at(radix: Radix, prefix: Key) -> Radix:
+    """A node ends at ``prefix``, a cached prefix or the root: one that ends inside a node splits it, and
+    by per-node recency the upper part, a new node, is marked as just used."""
+    if not prefix or prefix in radix.node_ends:
+        return radix
+    ends = radix.node_ends | {prefix}
+    if radix.conventions.recency == "per_token":
+        return attrs.evolve(radix, node_ends=ends)
+    upper = [key for key in _node_of(radix, prefix) if len(key) <= len(prefix)]
+    clock = radix.clock + 1
+    return attrs.evolve(radix, node_ends=ends, last_use={**radix.last_use, **dict.fromkeys(upper, clock)}, clock=clock)
 
 
 def _touch(radix: Radix, key: Key, length: int) -> Radix:
@@ -165,71 +221,75 @@ def _touch(radix: Radix, key: Key, length: int) -> Radix:
     return _split_at(radix, key[:length])
 
 
-def match_prefix(radix: Radix, key: Sequence[int]) -> tuple[Radix, tuple[int, ...]]:
-    key = check_tokens(key, allow_empty=True)
-    length = _longest_cached(radix, key)
-    values = tuple(radix.values[key[: i + 1]] for i in range(length))
-    return _touch(radix, key, length), values
+def match_prefix(radix: Radix, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[Radix, tuple[int, ...]]:
+    named = _key(radix, key, extra_key, cut=True)
+    length = _longest_cached(radix, named)
+    values = tuple(radix.values[named[: i + 1]] for i in range(length))
+    return _touch(radix, named, length), values
 
 
-def insert(radix: Radix, key: Sequence[int], values: Sequence[int]) -> tuple[Radix, int]:
-    key = check_tokens(key, allow_empty=True)
-    values = check_tokens(values, allow_empty=True)
-    if len(values) != len(key):
-        raise InvalidOperation(f"{len(values)} values for a key of {len(key)} tokens")
-    present = _longest_cached(radix, key)
-    radix = _touch(radix, key, present)
-    added = {key[: i + 1]: values[i] for i in range(present, len(key))}
-    clock = radix.clock
-    radix = attrs.evolve(
+def insert(radix: Radix, key: Sequence[int], values: Sequence[int], extra_key: ExtraKey = None) -> tuple[Radix, int]:
+    tokens, values = check_tokens(key, allow_empty=True), check_tokens(values, allow_empty=True)
+    if len(values) != len(tokens):
+        raise InvalidOperation(f"{len(values)} values for a key of {len(tokens)} tokens")
+    named = _key(radix, tokens, extra_key, cut=True)
+    present = _longest_cached(radix, named)
+    radix = _touch(radix, named, present)
+    if present == len(named):
+        return radix, present
+    added = {named[: i + 1]: values[i] for i in range(present, len(named))}
+    clock = radix.clock + 1  # after the walk: SGLang creates the new leaf's TreeNode once the walk is done
+    return attrs.evolve(
         radix,
         values={**radix.values, **added},
         last_use={**radix.last_use, **dict.fromkeys(added, clock)},
-    )
-    return _split_at(radix, key), present
+        clock=clock,
+        node_ends=radix.node_ends | {named},
+    ), present
 
 
-def _locked_key(radix: Radix, key: Sequence[int], operation: str) -> Key:
+def _locked_key(radix: Radix, key: Sequence[int], extra_key: ExtraKey, operation: str) -> Key:
     """The key a lock or unlock names: the key itself, or (by handle) the node a match of it ends at."""
     if radix.conventions.lock_by == "handle":
-        key = check_tokens(key, allow_empty=True)
-        return key[: _longest_cached(radix, key)]
-    key = check_tokens(key, allow_empty=False)
-    if key not in radix.values:
-        raise InvalidOperation(f"cannot {operation} {key}: it is not cached")
-    return key
+        named = _key(radix, key, extra_key, cut=True)
+        return named[: _longest_cached(radix, named)]
+    named = _key(radix, key, extra_key, cut=False)
+    if named not in radix.values:  # the empty key (the root) is not cached either
+        raise InvalidOperation(f"cannot {operation} {tuple(key)}: it is not cached")
+    return named
 
 
-def lock(radix: Radix, key: Sequence[int]) -> Radix:
-    locked = _locked_key(radix, key, "lock")
+def lock(radix: Radix, key: Sequence[int], extra_key: ExtraKey = None) -> Radix:
+    locked = _locked_key(radix, key, extra_key, "lock")
     if not locked:
         return radix  # the root: nothing to protect
     return _split_at(attrs.evolve(radix, locks={**radix.locks, locked: radix.locks.get(locked, 0) + 1}), locked)
 
 
-def unlock(radix: Radix, key: Sequence[int]) -> Radix:
-    locked = _locked_key(radix, key, "unlock")
+def unlock(radix: Radix, key: Sequence[int], extra_key: ExtraKey = None) -> Radix:
+    """Undo one lock; a key that holds one already ends a node (its lock split it), so nothing splits."""
+    locked = _locked_key(radix, key, extra_key, "unlock")
     if not locked:
         return radix
     held = radix.locks.get(locked, 0)
     if held == 0:
-        raise InvalidOperation(f"cannot unlock {locked}: it holds no lock")
+        raise InvalidOperation(f"cannot unlock {tuple(key)}: it holds no lock")
     locks = {k: n for k, n in radix.locks.items() if k != locked}
     if held > 1:
         locks[locked] = held - 1
-    return _split_at(attrs.evolve(radix, locks=locks), locked)
+    return attrs.evolve(radix, locks=locks)
 
 
 def evictable_leaves(radix: Radix) -> list[Key]:
-    """Unprotected tokens that no cached token extends, least recently used first."""
+    """Unprotected tokens that no cached token extends, least recently used first (no two share a time)."""
     parents = {key[:-1] for key in radix.values}
     protected = abstract(radix).protected
     leaves = [key for key in radix.values if key not in parents and key not in protected]
-    return sorted(leaves, key=lambda key: (radix.last_use[key], key))
+    return sorted(leaves, key=radix.last_use.__getitem__)
 
 
 def _evict_leaf(radix: Radix) -> tuple[Radix, tuple[int, ...]] | None:
-    """Evict the least recently used leaf token (or, by whole leaves, its node), deepest first; None if none."""
+    """Evict the least recently used leaf page (or, by whole leaves, its node), deepest first; None if none."""
     leaves = evictable_leaves(radix)
     if not leaves:
         return None
@@ -238,8 +298,9 @@ def _evict_leaf(radix: Radix) -> tuple[Radix, tuple[int, ...]] | None:
         gone = _node_of(radix, leaf)[::-1]
         ends = radix.node_ends - {leaf}
     else:
-        gone = (leaf,)
-        ends = (radix.node_ends - {leaf}) | ({leaf[:-1]} - {()})  # a trimmed node now ends one token earlier
+        page = radix.conventions.page_size
+        gone = tuple(leaf[:i] for i in range(len(leaf), len(leaf) - page, -1))
+        ends = (radix.node_ends - {leaf}) | ({leaf[:-page]} - {()})  # a trimmed node now ends a page earlier
     values = {k: v for k, v in radix.values.items() if k not in gone}
     last_use = {k: t for k, t in radix.last_use.items() if k not in gone}
     evicted = tuple(radix.values[key] for key in gone)
@@ -266,9 +327,10 @@ def evict(radix: Radix, num_tokens: int) -> tuple[Radix, tuple[int, ...]]:
     "one that is not differs from the model's (invariant_radix_refines_spec)",
 )
 def invariant_radix_prefix_closed(state: RadixState) -> str | None:
-    orphans = sorted(key for key in state.values if len(key) > 1 and key[:-1] not in state.values)
+    orphans = [key for key in state.values if len(key) > 1 and key[:-1] not in state.values]
     if orphans:
-        return f"cached {orphans[0]} without its prefix {orphans[0][:-1]}"
+        orphan = min(orphans, key=len)
+        return f"cached {orphan} without its prefix {orphan[:-1]}"
     return None
 
 
@@ -298,9 +360,9 @@ def invariant_radix_match_is_longest(expected: Sequence[int], actual: Sequence[i
 
 @invariant("a locked path is being read by a running request: evicting it frees KV still in use", "safety")
 def invariant_radix_locked_never_evicted(before: RadixState, after: RadixState) -> str | None:
-    lost = sorted(before.protected - after.values.keys())
+    lost = before.protected - after.values.keys()
     if lost:
-        return f"evicted locked tokens {lost}"
+        return f"evicted locked tokens {sorted(lost, key=repr)}"
     return None
 
 

@@ -7,29 +7,47 @@ Rules (vLLM §4.5 and §5.2, lecture §6):
   ``(request_id, sample)``; the group is scheduled, preempted and resumed as
   one (all or nothing): its blocks are all on the GPU (*running*), all on the
   CPU (*swapped*) or nowhere (*waiting*).
-* ``arrive(request)`` queues the request as waiting.  One whose peak need --
+* ``arrive(request)`` queues the request as waiting (a request may arrive
+  *not ready*: see ``mark_ready``).  One whose peak need --
   ``group_blocks(prompt, max_new_tokens, n)``, the blocks it holds after its
   last token -- exceeds the GPU's capacity could never run even alone: it is
   refused with ``RequestTooLarge``, never left to block the queue.
-* ``step()`` is one iteration.  First the *decode phase*: every running
-  sequence appends one token (``sampled_token``, a deterministic stand-in for
-  the model's output).  While the running groups need more blocks than are
-  free (``append_demand``), the latest-arrived running group is preempted:
-  by **swap** -- ``move_sequences`` of the whole group to the CPU manager,
-  one copy per distinct block -- or, when the mode is ``recompute`` or the CPU
-  cannot take the group, by **recompute** -- every sequence is freed and the
-  group waits again.  A group that reaches ``max_new_tokens`` finishes and
-  frees its blocks.  Then the *admission phase*: the groups that are not
-  running are taken in arrival order -- swapped groups resume before new
-  admissions because they arrived earlier -- and each is swapped in, or
-  prefilled (prompt, fork into ``n`` samples, then each sample's generated
-  tokens again if it was recomputed), while it fits: the GPU keeps
-  ``watermark`` blocks free after the admission unless nothing is running.
-  Admission stops at the first group that does not fit and at a group
-  preempted in this very step: nobody overtakes.
+* Groups are *ranked* by the queue policy (``rank``): ``fcfs`` by arrival;
+  ``priority`` by the request's ``priority`` (lower first, as in vLLM), then
+  by arrival.
+* ``step()`` is one iteration.  First the *decode phase*: the running groups,
+  in arrival order, are each *granted* one token per sequence
+  (``sampled_token``, a deterministic stand-in for the model's output) while
+  the blocks their appends need (``append_demand``, added up over the
+  grants) fit the free blocks.  When a group's grant does not fit, the
+  lowest-ranked running group is preempted -- under ``priority`` it may have
+  arrived first and already hold its grant, which it then gives back: a
+  preempted group decodes nothing.  Preemption is by **swap** --
+  ``move_sequences`` of the whole group to the CPU manager, one copy per
+  distinct block -- or, when the mode is ``recompute`` or the CPU cannot take
+  the group, by **recompute** -- every sequence is freed and the group waits
+  again.  Then every granted group decodes, and one that reaches
+  ``max_new_tokens`` finishes and frees its blocks.  Then the *admission
+  phase*: the groups that are not running are taken in rank order -- under
+  ``fcfs`` swapped groups resume before new admissions because they arrived
+  earlier -- and each is swapped in, or prefilled (prompt, fork into ``n``
+  samples, then each sample's generated tokens again if it was recomputed),
+  while it fits: the GPU keeps ``watermark`` blocks free after the admission
+  unless nothing is running.  A group that is not ready is passed over and
+  keeps its place.  Admission stops at the first ready group that does not
+  fit and at a group preempted in this very step: nobody overtakes.
+* Over a prefix-caching manager (``kvspec.spec.prefix_cache``; both devices
+  then cache) a prefill admission is re-probed at every attempt: its hits
+  (``cached_prefix``, capped as admission caps them) lower its demand once,
+  and a hit sitting in the free queue -- counted there as free -- is taken
+  out of it, so it counts as demand again (``prefill_demand``).  The report
+  names the tokens each admission took from the cache.
+* ``mark_ready(request_id)`` -- the remote KV arrived, the grammar compiled,
+  an adapter slot opened: a request that arrived not ready may be admitted.
 * ``abort(request_id)`` drops an unfinished request and frees its blocks.
 * Bad input (duplicate or unknown id, empty prompt, ``n`` or
-  ``max_new_tokens`` below 1) raises ``InvalidOperation`` and changes nothing.
+  ``max_new_tokens`` below 1, marking a ready request ready) raises
+  ``InvalidOperation`` and changes nothing.
 
 Deadlock freedom (lecture exercise 12).  Preemption takes the latest-arrived
 running group, so the earliest-arrived unfinished request, once running, is
@@ -38,10 +56,13 @@ every running group finishes or is preempted within ``M`` steps (``M`` the
 largest ``max_new_tokens`` of any request); the GPU is then idle and admits
 it; it finishes within ``M`` more.  So **a request that arrives after step
 ``a`` with ``k`` unfinished requests, itself included, finishes by step
-``a + 2 * M * k``** (``deadline``).
+``a + 2 * M * k``** (``deadline``), under ``fcfs`` with every request ready.
+(Under ``priority`` later arrivals may rank first, and a request not ready
+waits on the world: neither is bounded by the scheduler.)
 
 Theory of operation: ``Model`` is the spec's scheduler over the spec's block
-manager models; ``step``, ``arrive`` and ``abort`` are pure transitions
+manager models (plain or prefix-caching: ``memory`` picks the module whose
+transitions apply); ``step``, ``arrive`` and ``abort`` are pure transitions
 returning a new ``Model``.  An implementation's ``snapshot()`` returns a
 ``SchedulerState`` (its groups and both managers' snapshots); ``abstract``
 gives the model's.  Implementations may place blocks differently, so
@@ -49,11 +70,12 @@ refinement compares everything but block numbers (``view``).
 
 The factory an ``Implementation`` provides: ``scheduler(gpu, cpu, config)``
 with ``gpu`` and ``cpu`` two empty ``kvspec.spec.block_manager.BlockManager``s of the
-same block size (each over its own pool) and ``config`` a ``SchedulerConfig``;
+same block size and kind -- plain, or both ``PrefixCachingManager``s -- (each over its own pool) and ``config`` a ``SchedulerConfig``;
 it returns a ``Scheduler``.
 
 Invariants (checked after every step; the pool and manager invariants hold on
-both devices too):
+both devices too; ``kvspec.spec.admission`` adds those of cache hits, readiness,
+priorities and grants):
 
 * ``invariant_memory_never_overcommitted`` [safety] -- each device holds at most its
   capacity, and its pool counts exactly the blocks its tables name.
@@ -68,8 +90,9 @@ both devices too):
 * ``invariant_oldest_never_preempted`` [safety] -- the earliest-arrived unfinished
   request is never a victim.
 * ``invariant_admission_in_arrival_order`` [convention] -- no group is admitted or resumed
-  ahead of an earlier-arrived one still waiting or swapped.
-* ``invariant_finishes_within_bound`` [safety] -- every request finishes by its deadline.
+  ahead of an earlier-arrived (under ``priority``: higher-ranked) ready one still waiting or swapped.
+* ``invariant_finishes_within_bound`` [safety] -- under ``fcfs`` with every request ready,
+  every request finishes by its deadline.
 * ``invariant_scheduler_refines_spec`` [convention] -- the implementation is in the model's
   state, block numbers aside.
 """
@@ -77,12 +100,13 @@ both devices too):
 from __future__ import annotations
 
 import numbers
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from types import ModuleType
 from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
-from kvspec.spec import block_manager
+from kvspec.spec import block_manager, prefix_cache
 from kvspec.spec.block_manager import (
     Manager,
     ManagerState,
@@ -95,10 +119,13 @@ from kvspec.spec.block_manager import (
 from kvspec.spec.errors import InvalidOperation, RequestTooLarge
 from kvspec.spec.invariants import Group as InvariantGroup
 from kvspec.spec.invariants import diff_states, invariant
+from kvspec.spec.prefix_cache import CachingManager, max_hit_blocks
 
 RequestId = int
 Preemption = Literal["swap", "recompute"]
+QueuePolicy = Literal["fcfs", "priority"]
 Location = Literal["waiting", "running", "swapped"]
+Memory = Manager | CachingManager
 VOCABULARY = 50_272  # OPT's; any positive size would do
 
 
@@ -108,12 +135,15 @@ class Request:
     prompt: tuple[int, ...] = attrs.field(converter=tuple)
     max_new_tokens: int
     n: int = 1
+    priority: int = 0  # under the priority policy, lower runs first
+    ready: bool = True  # False: it waits on something outside the scheduler until ``mark_ready``
 
 
 @attrs.frozen
 class SchedulerConfig:
     preemption: Preemption = "recompute"
     watermark: int = 0  # GPU blocks kept free after an admission, unless the GPU is idle
+    policy: QueuePolicy = "fcfs"
 
 
 @attrs.frozen
@@ -125,6 +155,7 @@ class Group:
     location: Location = "waiting"
     generated: int = 0
     preemptions: int = 0
+    ready: bool = True
 
     @property
     def seqs(self) -> tuple[tuple[RequestId, int], ...]:
@@ -150,10 +181,16 @@ class SchedulerState:
 
 @attrs.frozen
 class StepReport:
-    """What one iteration did; ``preempted`` pairs each victim with how it was preempted."""
+    """What one iteration did; ``preempted`` pairs each victim with how it was preempted.
+
+    ``granted`` pairs each request that decodes in this step with the tokens it was granted;
+    ``cached_tokens`` pairs each prefill admission with the prompt tokens the prefix cache supplied.
+    """
 
     preempted: tuple[tuple[RequestId, Preemption], ...] = ()
+    granted: tuple[tuple[RequestId, int], ...] = ()
     admitted: tuple[RequestId, ...] = ()
+    cached_tokens: tuple[tuple[RequestId, int], ...] = ()
     finished: tuple[RequestId, ...] = ()
     decode_tokens: int = 0
     prefill_tokens: int = 0
@@ -171,6 +208,7 @@ class Scheduler(Protocol):
     def arrive(self, request: Request) -> None: ...
     def step(self) -> StepReport: ...
     def abort(self, request_id: RequestId) -> None: ...
+    def mark_ready(self, request_id: RequestId) -> None: ...
     def snapshot(self) -> SchedulerState: ...
 
 
@@ -188,6 +226,21 @@ def group_blocks(prompt_len: int, generated: int, n: int, block_size: int) -> in
         return blocks_for(prompt_len, block_size)
     shared = prompt_len // block_size
     return shared + n * (blocks_for(prompt_len + generated, block_size) - shared)
+
+
+def prefill_demand(request: Request, generated: int, block_size: int, hits: int, revived: int) -> int:
+    """Blocks a prefill admission takes: its blocks less its ``hits``, plus the ``revived`` hits.
+
+    A hit is counted once: it lowers the demand.  A hit whose block sits in the
+    free queue is also counted there as free, and admission takes it out: so it
+    is demand again, or the supply would count it a second time.
+    """
+    return group_blocks(len(request.prompt), generated, request.n, block_size) - hits + revived
+
+
+def rank(group: Group, policy: QueuePolicy) -> tuple[int, int]:
+    """Where a group stands in the queue: earlier first; ``priority`` ranks by priority, then arrival."""
+    return (group.request.priority if policy == "priority" else 0, group.arrival)
 
 
 def peak_blocks(request: Request, block_size: int) -> int:
@@ -227,7 +280,18 @@ def check_request(request: object, known: Collection[RequestId]) -> Request:
         value = getattr(request, name)
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise InvalidOperation(f"request {request.request_id!r}: {name} must be an int >= 1, got {value!r}")
+    if not isinstance(request.priority, int) or isinstance(request.priority, bool):
+        raise InvalidOperation(f"request {request.request_id!r}: priority must be an int, got {request.priority!r}")
+    if not isinstance(request.ready, bool):
+        raise InvalidOperation(f"request {request.request_id!r}: ready must be a bool, got {request.ready!r}")
     return request
+
+
+def check_config(config: SchedulerConfig) -> None:
+    if config.preemption not in ("swap", "recompute") or config.policy not in ("fcfs", "priority"):
+        raise InvalidOperation(f"unusable scheduler config {config!r}")
+    if not isinstance(config.watermark, int) or config.watermark < 0:
+        raise InvalidOperation(f"unusable scheduler config {config!r}")
 
 
 def check_fits_alone(request: Request, gpu_capacity: int, block_size: int) -> None:
@@ -252,15 +316,24 @@ class Model:
     arrived: tuple[RequestId, ...]
     groups: tuple[Group, ...]
     finished: tuple[RequestId, ...]
-    gpu: Manager
-    cpu: Manager
+    gpu: Memory
+    cpu: Memory
 
 
-def new_model(gpu: Manager, cpu: Manager, config: SchedulerConfig) -> Model:
-    if gpu.block_size != cpu.block_size:
-        raise InvalidOperation(f"GPU blocks of {gpu.block_size} tokens, CPU blocks of {cpu.block_size}")
-    if config.preemption not in ("swap", "recompute") or config.watermark < 0:
-        raise InvalidOperation(f"unusable scheduler config {config!r}")
+def memory(device: Memory) -> ModuleType:
+    """The spec module whose transitions apply to a device: the prefix cache's or the plain manager's."""
+    return prefix_cache if isinstance(device, CachingManager) else block_manager
+
+
+def tables_of(device: Memory) -> Manager:
+    """The layer-2 model under a device: its tables, tokens and pool."""
+    return device.manager if isinstance(device, CachingManager) else device
+
+
+def new_model(gpu: Memory, cpu: Memory, config: SchedulerConfig) -> Model:
+    if tables_of(gpu).block_size != tables_of(cpu).block_size or type(gpu) is not type(cpu):
+        raise InvalidOperation(f"unlike devices: a GPU {type(gpu).__name__}, a CPU {type(cpu).__name__}")
+    check_config(config)
     return Model(config=config, steps=0, arrived=(), groups=(), finished=(), gpu=gpu, cpu=cpu)
 
 
@@ -271,15 +344,15 @@ def abstract(model: Model) -> SchedulerState:
         arrived=model.arrived,
         groups=model.groups,
         finished=model.finished,
-        gpu=block_manager.abstract(model.gpu),
-        cpu=block_manager.abstract(model.cpu),
+        gpu=memory(model.gpu).abstract(model.gpu),
+        cpu=memory(model.cpu).abstract(model.cpu),
     )
 
 
 def arrive(model: Model, request: Request) -> Model:
     request = check_request(request, model.arrived)
-    check_fits_alone(request, model.gpu.pool.capacity, model.gpu.block_size)
-    group = Group(request=request, arrival=len(model.arrived))
+    check_fits_alone(request, tables_of(model.gpu).pool.capacity, tables_of(model.gpu).block_size)
+    group = Group(request=request, arrival=len(model.arrived), ready=request.ready)
     return attrs.evolve(model, arrived=model.arrived + (request.request_id,), groups=model.groups + (group,))
 
 
@@ -289,34 +362,22 @@ def abort(model: Model, request_id: RequestId) -> Model:
     return attrs.evolve(model, groups=tuple(g for g in model.groups if g.request.request_id != request_id))
 
 
+def mark_ready(model: Model, request_id: RequestId) -> Model:
+    group = _find(model, request_id)
+    if group.ready:
+        raise InvalidOperation(f"request {request_id!r} is ready already")
+    return _replace(model, attrs.evolve(group, ready=True))
+
+
 def step(model: Model) -> tuple[Model, StepReport]:
-    """One iteration: decode (preempting the latest-arrived as needed), then admit in arrival order."""
-    report = StepReport()
-    running = [g for g in model.groups if g.location == "running"]
-    while running and _decode_demand(model.gpu, running) > free_blocks(model.gpu):
-        victim = running.pop()
-        model, how = _preempt(model, victim)
-        report = attrs.evolve(report, preempted=report.preempted + ((victim.request.request_id, how),))
-        if how == "swap":
-            swapped = len(set(b for s in victim.seqs for b in model.cpu.tables[s]))
-            report = attrs.evolve(report, swapped_out_blocks=report.swapped_out_blocks + swapped)
-    for group in running:
-        gpu = model.gpu
-        for sample, seq in enumerate(group.seqs):
-            gpu, _ = block_manager.append(gpu, seq, (sampled_token(group.request.request_id, sample, group.generated),))
-        grown = attrs.evolve(group, generated=group.generated + 1)
-        model = _replace(attrs.evolve(model, gpu=gpu), grown)
-        report = attrs.evolve(report, decode_tokens=report.decode_tokens + group.request.n)
-        if grown.generated == grown.request.max_new_tokens:
-            model = _release(model, grown)
-            model = attrs.evolve(
-                model,
-                groups=tuple(g for g in model.groups if g.request.request_id != grown.request.request_id),
-                finished=model.finished + (grown.request.request_id,),
-            )
-            report = attrs.evolve(report, finished=report.finished + (grown.request.request_id,))
+    """One iteration: grant decodes (preempting the lowest-ranked as needed), decode, then admit in rank order."""
+    model, granted, report = _grant_decodes(model, StepReport())
+    for group in granted:
+        model, report = _decode(model, group, report)
     just_preempted = {rid for rid, _ in report.preempted}
-    for group in [g for g in model.groups if g.location != "running"]:
+    for group in sorted((g for g in model.groups if g.location != "running"), key=_ranking(model)):
+        if not group.ready:
+            continue
         if group.request.request_id in just_preempted:
             break
         gpu_idle = not any(g.location == "running" for g in model.groups)
@@ -327,8 +388,12 @@ def step(model: Model) -> tuple[Model, StepReport]:
     return attrs.evolve(model, steps=model.steps + 1), report
 
 
-def free_blocks(manager: Manager) -> int:
-    return len(manager.pool.lru)
+def free_blocks(device: Memory) -> int:
+    return len(tables_of(device).pool.lru)
+
+
+def _ranking(model: Model) -> Callable[[Group], tuple[int, int]]:
+    return lambda group: rank(group, model.config.policy)
 
 
 def _find(model: Model, request_id: RequestId) -> Group:
@@ -343,34 +408,84 @@ def _replace(model: Model, group: Group) -> Model:
     return attrs.evolve(model, groups=tuple(group if g.request.request_id == rid else g for g in model.groups))
 
 
-def _decode_demand(gpu: Manager, running: Sequence[Group]) -> int:
-    seqs = [s for g in running for s in g.seqs]
-    refcount = dict(enumerate(gpu.pool.refcounts))
-    return append_demand([gpu.tables[s] for s in seqs], [len(gpu.tokens[s]) for s in seqs], refcount, gpu.block_size)
+def _grant_decodes(model: Model, report: StepReport) -> tuple[Model, list[Group], StepReport]:
+    """Grant each running group its tokens in arrival order, preempting the lowest-ranked while one does not fit."""
+    granted: dict[RequestId, tuple[Group, int]] = {}  # request -> (group, the blocks its grant takes)
+    for group in [g for g in model.groups if g.location == "running"]:
+        if _find(model, group.request.request_id).location != "running":
+            continue  # preempted for a group before it
+        demand = _decode_demand(model.gpu, group)
+        while sum(d for _, d in granted.values()) + demand > free_blocks(model.gpu):
+            victim = max((g for g in model.groups if g.location == "running"), key=_ranking(model))
+            model, how = _preempt(model, victim)
+            granted.pop(victim.request.request_id, None)  # a preempted group decodes nothing
+            report = attrs.evolve(report, preempted=report.preempted + ((victim.request.request_id, how),))
+            if how == "swap":
+                swapped = len({b for s in victim.seqs for b in tables_of(model.cpu).tables[s]})
+                report = attrs.evolve(report, swapped_out_blocks=report.swapped_out_blocks + swapped)
+            if victim.request.request_id == group.request.request_id:
+                break
+        else:
+            granted[group.request.request_id] = (group, demand)
+    grants = tuple((rid, group.request.n) for rid, (group, _) in granted.items())
+    return model, [group for group, _ in granted.values()], attrs.evolve(report, granted=grants)
+
+
+def _decode(model: Model, group: Group, report: StepReport) -> tuple[Model, StepReport]:
+    gpu, rid = model.gpu, group.request.request_id
+    for sample, seq in enumerate(group.seqs):
+        gpu, _ = memory(gpu).append(gpu, seq, (sampled_token(rid, sample, group.generated),))
+    grown = attrs.evolve(group, generated=group.generated + 1)
+    model = _replace(attrs.evolve(model, gpu=gpu), grown)
+    report = attrs.evolve(report, decode_tokens=report.decode_tokens + group.request.n)
+    if grown.generated < grown.request.max_new_tokens:
+        return model, report
+    model = _release(model, grown)
+    model = attrs.evolve(
+        model,
+        groups=tuple(g for g in model.groups if g.request.request_id != rid),
+        finished=model.finished + (rid,),
+    )
+    return model, attrs.evolve(report, finished=report.finished + (rid,))
+
+
+def _decode_demand(gpu: Memory, group: Group) -> int:
+    manager = tables_of(gpu)
+    refcount = dict(enumerate(manager.pool.refcounts))
+    tables = [manager.tables[s] for s in group.seqs]
+    return append_demand(tables, [len(manager.tokens[s]) for s in group.seqs], refcount, manager.block_size)
 
 
 def _resume_demand(model: Model, group: Group) -> int:
     if group.location == "swapped":
-        return len({b for s in group.seqs for b in model.cpu.tables[s]})
-    request = group.request
-    return group_blocks(len(request.prompt), group.generated, request.n, model.gpu.block_size)
+        return len({b for s in group.seqs for b in tables_of(model.cpu).tables[s]})
+    hits = prefix_hits(model.gpu, group.request.prompt)
+    revived = sum(1 for b in hits if tables_of(model.gpu).pool.refcounts[b] == 0)
+    return prefill_demand(group.request, group.generated, tables_of(model.gpu).block_size, len(hits), revived)
+
+
+def prefix_hits(gpu: Memory, prompt: tuple[int, ...]) -> tuple[int, ...]:
+    """The cached blocks a prefill of ``prompt`` would share now; none without a prefix cache."""
+    if not isinstance(gpu, CachingManager):
+        return ()
+    return prefix_cache.cached_prefix(gpu, prompt)[: max_hit_blocks(len(prompt), gpu.manager.block_size)]
 
 
 def _release(model: Model, group: Group) -> Model:
     device = DEVICE_OF.get(group.location)
     if device is None:
         return model
-    manager = getattr(model, device)
+    held: Memory = getattr(model, device)
     for seq in group.seqs:
-        manager = block_manager.free(manager, seq)
-    return attrs.evolve(model, **{device: manager})
+        held = memory(held).free(held, seq)
+    return attrs.evolve(model, gpu=held) if device == "gpu" else attrs.evolve(model, cpu=held)
 
 
 def _preempt(model: Model, victim: Group) -> tuple[Model, Preemption]:
-    distinct = len({b for s in victim.seqs for b in model.gpu.tables[s]})
+    distinct = len({b for s in victim.seqs for b in tables_of(model.gpu).tables[s]})
     bumped = attrs.evolve(victim, preemptions=victim.preemptions + 1)
     if model.config.preemption == "swap" and distinct <= free_blocks(model.cpu):
-        gpu, cpu, _ = block_manager.move_sequences(model.gpu, model.cpu, victim.seqs)
+        gpu, cpu, _ = memory(model.gpu).move_sequences(model.gpu, model.cpu, victim.seqs)
         return _replace(attrs.evolve(model, gpu=gpu, cpu=cpu), attrs.evolve(bumped, location="swapped")), "swap"
     model = _release(model, victim)
     return _replace(model, attrs.evolve(bumped, location="waiting")), "recompute"
@@ -378,19 +493,23 @@ def _preempt(model: Model, victim: Group) -> tuple[Model, Preemption]:
 
 def _admit(model: Model, group: Group, need: int, report: StepReport) -> tuple[Model, StepReport]:
     rid, request = group.request.request_id, group.request
+    gpu, cpu = model.gpu, model.cpu
     if group.location == "swapped":
-        cpu, gpu, _ = block_manager.move_sequences(model.cpu, model.gpu, group.seqs)
+        cpu, gpu, _ = memory(cpu).move_sequences(cpu, gpu, group.seqs)
         report = attrs.evolve(report, swapped_in_blocks=report.swapped_in_blocks + need)
     else:
-        gpu, _ = block_manager.add_sequence(model.gpu, group.seqs[0], request.prompt)
+        gpu, plan = memory(gpu).add_sequence(gpu, group.seqs[0], request.prompt)
         for seq in group.seqs[1:]:
-            gpu = block_manager.fork(gpu, group.seqs[0], seq)
+            gpu = memory(gpu).fork(gpu, group.seqs[0], seq)
         for sample, seq in enumerate(group.seqs):
-            gpu, _ = block_manager.append(gpu, seq, group.tokens(sample)[len(request.prompt) :])
-        cpu = model.cpu
-        prefilled = len(request.prompt) + request.n * group.generated
+            gpu, _ = memory(gpu).append(gpu, seq, group.tokens(sample)[len(request.prompt) :])
+        computed = len(request.prompt) - plan.cached_tokens + request.n * group.generated
         field = "recomputed_tokens" if group.preemptions else "prefill_tokens"
-        report = attrs.evolve(report, **{field: getattr(report, field) + prefilled})
+        report = attrs.evolve(
+            report,
+            cached_tokens=report.cached_tokens + ((rid, plan.cached_tokens),),
+            **{field: getattr(report, field) + computed},
+        )
     model = _replace(attrs.evolve(model, gpu=gpu, cpu=cpu), attrs.evolve(group, location="running"))
     return model, attrs.evolve(report, admitted=report.admitted + (rid,))
 
@@ -534,13 +653,28 @@ def invariant_oldest_never_preempted(before: SchedulerState, report: StepReport)
     "convention",
 )
 def invariant_admission_in_arrival_order(after: SchedulerState, report: StepReport) -> str | None:
-    arrival = {rid: i for i, rid in enumerate(after.arrived)}
-    order = [arrival[rid] for rid in report.admitted]
+    """Arrival order within the policy's rank (``rank``): under ``fcfs``, arrival order itself.
+
+    The queue itself -- the unfinished groups, as the snapshot lists them -- stays in arrival order: a
+    request passed over (not ready, say) keeps its place.
+    """
+    for i, group in enumerate(after.groups):
+        later = [g.request.request_id for g in after.groups[:i] if g.arrival > group.arrival]
+        if later:
+            return (
+                f"request {group.request.request_id!r} lost its place: it is queued behind later request {later[0]!r}"
+            )
+    ranks = {g.request.request_id: rank(g, after.config.policy) for g in after.groups}
+    order = [ranks[rid] for rid in report.admitted]
     if order != sorted(order):
-        return f"admitted {list(report.admitted)} out of arrival order"
-    waiting = [g for g in after.groups if g.location != "running"]
-    if order and waiting and waiting[0].arrival < order[-1]:
-        return f"admitted {report.admitted[-1]!r} ahead of earlier request {waiting[0].request.request_id!r}"
+        return f"admitted {list(report.admitted)} out of {after.config.policy} order"
+    passed_over = sorted(
+        rank(g, after.config.policy) + (g.request.request_id,)
+        for g in after.groups
+        if g.ready and g.location != "running"
+    )
+    if order and passed_over and passed_over[0][:2] < order[-1]:
+        return f"admitted {report.admitted[-1]!r} ahead of request {passed_over[0][2]!r}, still {after.config.policy}-earlier and ready"
     return None
 
 
@@ -574,10 +708,10 @@ STATE = (
             invariant_group_on_one_device,
             invariant_swap_restores_contents,
             invariant_recompute_restores_tokens,
-            invariant_finishes_within_bound,
         )
     )
-    .including(block_manager.STATE, lambda state, deadlines: (state.gpu,))
-    .including(block_manager.STATE, lambda state, deadlines: (state.cpu,))
+    .including(block_manager.STATE, lambda state: (state.gpu,))
+    .including(block_manager.STATE, lambda state: (state.cpu,))
 )
-"""Every safety rule over a scheduler's snapshot, both devices' managers included; called as (state, deadlines)."""
+"""Every safety rule over a scheduler's snapshot, both devices' managers included (the deadline apart: it
+holds only under ``fcfs`` with every request ready)."""

@@ -25,10 +25,14 @@ from kvspec.spec.invariants import (
 
 
 class LeaksOnFree(BlockPool):
-    """Dropping the last reference forgets the block instead of queueing it."""
+    """Dropping the last reference forgets the block instead of queueing it: it stays counted, held by no one."""
 
     def release(self, blocks: Sequence[int]) -> None:
-        super().release([b for b in blocks if self._refcounts[b] > 1])
+        super().release(blocks)
+        for block in set(blocks):
+            if self._refcounts[block] == 0:
+                self._free.remove(block)
+                self._refcounts[block] = 1
 
 
 class AcceptsDoubleFree(BlockPool):

@@ -51,6 +51,55 @@ class IgnoresExtraKeys(PrefixCachingBlockManager):
         return hash_block(parent, tokens, None)
 
 
+class ExtraKeyAsText(PrefixCachingBlockManager):
+    """Hashes the extra key as its fields' text run together: ("a", 1) and ("a1",), 1 and "1", encode alike."""
+
+    def _hash(self, parent: BlockHash, tokens: Sequence[int], extra_key: ExtraKey) -> BlockHash:
+        return hash_block(parent, tokens, _text(extra_key))
+
+
+def _text(key: ExtraKey) -> str:
+    if isinstance(key, tuple):
+        return "".join(map(_text, key))
+    return key.decode("latin-1") if isinstance(key, bytes) else str(key)
+
+
+class TokensAsUint16(PrefixCachingBlockManager):
+    """Packs token ids into 16 bits (``astype(uint16)`` wraps silently): fine for a 32k vocabulary, not a 128k one."""
+
+    def _hash(self, parent: BlockHash, tokens: Sequence[int], extra_key: ExtraKey) -> BlockHash:
+        return hash_block(parent, [token & 0xFFFF for token in tokens], extra_key)
+
+
+class ChainCachedOnTheBuffer(PrefixCachingBlockManager):
+    """Remembers a prompt's hash chain by the identity of the list it came in, as if it were the request:
+    a caller that recycles the list for the next request gets the last request's hashes."""
+
+    def __init__(self, pool: Any, block_size: int) -> None:
+        super().__init__(pool, block_size)
+        self._chain_of: dict[int, tuple[object, tuple[BlockHash, ...]]] = {}
+
+    def block_hashes(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[BlockHash, ...]:
+        remembered = self._chain_of.get(id(tokens))
+        if remembered is not None and remembered[0] is tokens:
+            return remembered[1]
+        hashes = super().block_hashes(tokens, extra_key)
+        if isinstance(tokens, list):
+            self._chain_of[id(tokens)] = (tokens, hashes)
+        return hashes
+
+
+class CommitSurvivesAbort(PrefixCachingBlockManager):
+    """Keeps an aborted request's pending registrations: the next request in its slot commits them too,
+    naming blocks that were freed and handed out again."""
+
+    def free(self, seq: SeqId) -> None:
+        pending = self._pending.get(seq)
+        super().free(seq)
+        if pending:
+            self._pending[seq] = pending
+
+
 class CountsHitsPastFirstMiss(PrefixCachingBlockManager):
     """Reports every cached block of the prompt as a hit, even after a miss."""
 
@@ -110,6 +159,26 @@ def unchained_hash() -> Implementation:
 @caught_by(spec.invariant_hash_iff_prefix, "prefix cache")
 def ignores_extra_keys() -> Implementation:
     return _with("broken: extra keys ignored", prefix_caching_manager=IgnoresExtraKeys)
+
+
+@caught_by(spec.invariant_hash_iff_prefix, "prefix cache")
+def extra_key_as_text() -> Implementation:
+    return _with("broken: extra key hashed as its fields' text", prefix_caching_manager=ExtraKeyAsText)
+
+
+@caught_by(spec.invariant_hash_change_propagates, "prefix cache")
+def tokens_as_uint16() -> Implementation:
+    return _with("broken: token ids packed into 16 bits", prefix_caching_manager=TokensAsUint16)
+
+
+@caught_by(spec.invariant_hit_is_exact_prefix, "prefix cache")
+def chain_cached_on_the_buffer() -> Implementation:
+    return _with("broken: hash chain remembered by the prompt buffer", prefix_caching_manager=ChainCachedOnTheBuffer)
+
+
+@caught_by(spec.invariant_cached_block_holds_its_prefix, "prefix cache (deferred commit)")
+def commit_survives_abort() -> Implementation:
+    return _with("broken: a commit survives its request's abort", prefix_caching_manager=CommitSurvivesAbort)
 
 
 @caught_by(spec.invariant_hits_stop_at_first_miss, "prefix cache")

@@ -4,7 +4,9 @@ Every factory returns an ``Implementation`` whose radix cache is a small
 subclass of the reference.  ``WholeLeaves``, ``PerNodeRecency`` and
 ``LockByHandle`` honour SGLang's conventions (declared, so the model follows
 them); the members built on them then break a safety rule, which no
-convention excuses.
+convention excuses.  ``CachesPartialPages`` declares a page size of two
+tokens and ``IgnoresExtraKeys`` extra-key namespaces, and each breaks what
+it declared.
 """
 
 from __future__ import annotations
@@ -116,15 +118,17 @@ class PerNodeRecency(SplitsOnlyWhatItLocks):
     part a split cuts off is stamped when it is cut."""
 
     def _stamp_visited(self, key: Sequence[int], extra_key: ExtraKey) -> None:
-        key, node, depth, now = (
+        named, node, depth, now = (
             self._named(check_tokens(key, allow_empty=True), extra_key),
             self._root,
             0,
             next(self._clock),
         )
-        while depth < len(key) and key[depth] in node.children:
-            node = node.children[key[depth]]
+        while depth < len(named) and named[depth] in node.children:
+            node = node.children[named[depth]]
             node.last_use = now
+            if named[depth : depth + len(node.key)] != node.key:
+                break  # the walk ends inside this node
             depth += len(node.key)
         self._push_if_evictable(node)  # its tail, once split off, is a leaf stamped now
 
@@ -138,7 +142,8 @@ class PerNodeRecency(SplitsOnlyWhatItLocks):
         return super().match_prefix(key, extra_key)
 
     def insert(self, key: Sequence[int], values: Sequence[int], extra_key: ExtraKey = None) -> int:
-        self._stamp_visited(key, extra_key)
+        if len(check_tokens(values, allow_empty=True)) == len(check_tokens(key, allow_empty=True)):
+            self._stamp_visited(key, extra_key)  # a refused insert marks nothing
         return super().insert(key, values, extra_key)
 
 
@@ -147,10 +152,10 @@ class PerNodeMatchReadsWholeNode(PerNodeRecency):
 
     def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
         self._stamp_visited(key, extra_key)
-        key = self._named(check_tokens(key, allow_empty=True), extra_key)
+        named = self._named(check_tokens(key, allow_empty=True), extra_key)
         node, depth, values = self._root, 0, list[int]()
-        while depth < len(key) and key[depth] in node.children:
-            node = node.children[key[depth]]
+        while depth < len(named) and named[depth] in node.children:
+            node = node.children[named[depth]]
             values += node.values
             depth += len(node.key)
         return tuple(values)
@@ -189,7 +194,24 @@ class HandleLockLostInSplit(LockByHandle):
         return upper
 
 
-def _with_radix(name: str, radix: type[RadixCache], **conventions: object) -> Implementation:
+class CachesPartialPages(RadixCache):
+    """Declares pages of two tokens, but caches a key's partial last page too, and hands it out on a match."""
+
+    def __init__(self) -> None:
+        super().__init__(page_size=2)
+
+    def _named(self, key: tuple[int, ...], extra_key: ExtraKey, whole_pages: bool = False) -> spec.Key:
+        return spec.name_tokens(key, self._page_size, extra_key)
+
+
+class IgnoresExtraKeys(RadixCache):
+    """Takes an extra key and drops it: one LoRA adapter's requests hit another's KV."""
+
+    def _named(self, key: tuple[int, ...], extra_key: ExtraKey, whole_pages: bool = False) -> spec.Key:
+        return super()._named(key, None, whole_pages)
+
+
+def _with_radix(name: str, radix: Callable[[], RadixCache], **conventions: object) -> Implementation:
     declared = Conventions(radix=RadixConventions(**conventions))  # type: ignore[arg-type]
     return Implementation(name=name, radix_cache=radix, conventions=declared)
 
@@ -238,3 +260,13 @@ def per_node_match_reads_whole_node() -> Implementation:
 @caught_by(spec.invariant_radix_sizes_consistent, "radix cache")
 def handle_lock_lost_in_split() -> Implementation:
     return _with_radix("broken: handle lock lost when its node splits", HandleLockLostInSplit, lock_by="handle")
+
+
+@caught_by(spec.invariant_radix_match_is_longest, "radix cache")
+def caches_partial_pages() -> Implementation:
+    return _with_radix("broken: pages of 2, the partial last page cached", CachesPartialPages, page_size=2)
+
+
+@caught_by(spec.invariant_radix_match_is_longest, "radix cache")
+def ignores_extra_keys() -> Implementation:
+    return _with_radix("broken: extra keys ignored", IgnoresExtraKeys, extra_key_namespaces=True)

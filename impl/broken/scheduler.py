@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
 from kvspec.impl import reference
 from kvspec.impl.broken import caught_by
-from kvspec.impl.scheduler import Entry, Scheduler, Tally
+from kvspec.impl.scheduler import Entry, Probe, Scheduler, Tally
+from kvspec.spec import admission
 from kvspec.spec import scheduler as spec
 from kvspec.spec.implementation import Implementation
-from kvspec.spec.invariants import invariant_out_of_contract_call_rejected
-from kvspec.spec.scheduler import Request
+from kvspec.spec.invariants import invariant_failed_operation_changes_nothing, invariant_out_of_contract_call_rejected
+from kvspec.spec.scheduler import Request, admissible
 
 
 class PreemptsOldest(Scheduler):
@@ -38,8 +43,9 @@ class AdmitsOutOfOrder(Scheduler):
     def _admit_in_order(self, report: Tally) -> None:
         just_preempted = {rid for rid, _ in report.preempted}
         for group in list(self._admission_candidates()):
-            if group.request.request_id not in just_preempted and self._fits(group):
-                self._admit(group, report)
+            probe = self._probe(group)
+            if group.ready and group.request.request_id not in just_preempted and self._fits(probe.need):
+                self._admit(group, probe, report)
 
 
 class WaitsForeverOnTooLarge(Scheduler):
@@ -52,9 +58,91 @@ class WaitsForeverOnTooLarge(Scheduler):
 class NeverPreempts(Scheduler):
     """No preemption: when blocks run out, nobody decodes and everyone waits (lecture exercise 12)."""
 
-    def _make_room(self, report: Tally) -> list[Entry]:
+    def _grant_decodes(self, report: Tally) -> list[Entry]:
         running = list(self._located("running"))
-        return running if self._decode_demand(running) <= self._gpu.pool.num_free() else []
+        if sum(self._decode_demand(group) for group in running) > self._gpu.pool.num_free():
+            return []
+        report.granted.update((group.request.request_id, group.request.n) for group in running)
+        return running
+
+
+class RemembersHitLength(Scheduler):
+    """Probes the cache once per request and keeps what it found across admission attempts.
+
+    vLLM's shape of it: ``num_computed_tokens`` set by an attempt that failed, and not reset before the next.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._probes: dict[int, Probe] = {}
+
+    def _probe(self, group: Entry) -> Probe:
+        if group.location == "swapped":
+            return super()._probe(group)
+        return self._probes.setdefault(group.request.request_id, super()._probe(group))
+
+
+class CountsHitsTwice(Scheduler):
+    """Subtracts the hits from the demand and still counts the free-queue hits as free blocks.
+
+    It admits a request memory cannot hold: the prefill runs out of blocks half-way through the step.
+    """
+
+    def _probe(self, group: Entry) -> Probe:
+        probe = super()._probe(group)
+        if group.location == "swapped" or self._cache is None:
+            return probe
+        hits = self._cache.cached_prefix(group.request.prompt)[: probe.cached_tokens // self._gpu.block_size]
+        revived = sum(1 for block in hits if self._gpu.pool.refcount(block) == 0)
+        return Probe(probe.need - revived, probe.cached_tokens)
+
+
+class IdleOncePerStep(Scheduler):
+    """Decides once per step whether the GPU is idle: every admission after the first skips the watermark too."""
+
+    def _admit_in_order(self, report: Tally) -> None:
+        self._idle_at_start = not any(True for _ in self._located("running"))
+        super()._admit_in_order(report)
+
+    def _fits(self, need: int) -> bool:
+        return admissible(need, self._gpu.pool.num_free(), self._config.watermark, self._idle_at_start)
+
+
+class AdmitsBeforeReady(Scheduler):
+    """Admits a request whose remote KV has not arrived yet."""
+
+    def _is_ready(self, group: Entry) -> bool:
+        return True
+
+
+class NotReadyBlocksQueue(Scheduler):
+    """Admission stops at a request that is not ready, as at one that does not fit."""
+
+    def _admission_candidates(self) -> Iterable[Entry]:
+        return itertools.takewhile(lambda group: group.ready, super()._admission_candidates())
+
+
+class NotReadyLosesPlace(Scheduler):
+    """Passes over a request that is not ready by putting it back at the end of the queue."""
+
+    def _admit_in_order(self, report: Tally) -> None:
+        super()._admit_in_order(report)
+        for rid in [rid for rid, group in self._groups.items() if not group.ready]:
+            self._groups[rid] = self._groups.pop(rid)
+
+
+class KeepsGrantOfVictim(Scheduler):
+    """Takes a preempted group out of the batch but leaves its grant in the step's grants."""
+
+    def _revoke_grant(self, victim: Entry, report: Tally) -> None:
+        pass
+
+
+class PreemptsLatestArrival(Scheduler):
+    """Under the priority policy still preempts the latest-arrived running group."""
+
+    def _choose_victim(self, running: list[Entry]) -> Entry:
+        return running[-1]
 
 
 def _with_scheduler(name: str, scheduler: type[Scheduler]) -> Implementation:
@@ -91,3 +179,44 @@ def waits_forever_on_too_large() -> Implementation:
 @caught_by(spec.invariant_finishes_within_bound, "scheduler deadlock freedom")
 def never_preempts() -> Implementation:
     return _with_scheduler("scheduler without preemption", NeverPreempts)
+
+
+@caught_by(admission.invariant_hits_probed_at_admission, "scheduler over the prefix cache")
+def remembers_hit_length() -> Implementation:
+    return _with_scheduler("scheduler that remembers hit lengths across admission attempts", RemembersHitLength)
+
+
+@caught_by(invariant_failed_operation_changes_nothing, "scheduler (priority)")
+@caught_by(admission.invariant_watermark_kept, "scheduler (priority)")
+def counts_hits_twice() -> Implementation:
+    return _with_scheduler("scheduler that counts hits in both demand and supply", CountsHitsTwice)
+
+
+@caught_by(admission.invariant_watermark_kept, "scheduler (recompute)")
+def idle_once_per_step() -> Implementation:
+    return _with_scheduler("scheduler that decides once per step whether the GPU is idle", IdleOncePerStep)
+
+
+@caught_by(admission.invariant_not_ready_never_admitted, "scheduler over the prefix cache")
+def admits_before_ready() -> Implementation:
+    return _with_scheduler("scheduler that admits requests not ready", AdmitsBeforeReady)
+
+
+@caught_by(admission.invariant_admission_stops_only_when_short, "scheduler over the prefix cache")
+def not_ready_blocks_queue() -> Implementation:
+    return _with_scheduler("scheduler whose queue a request not ready blocks", NotReadyBlocksQueue)
+
+
+@caught_by(spec.invariant_admission_in_arrival_order, "scheduler over the prefix cache")
+def not_ready_loses_place() -> Implementation:
+    return _with_scheduler("scheduler that sends a request not ready to the back", NotReadyLosesPlace)
+
+
+@caught_by(admission.invariant_preempted_keeps_no_grant, "scheduler (priority)")
+def keeps_grant_of_victim() -> Implementation:
+    return _with_scheduler("scheduler whose victims keep their grants", KeepsGrantOfVictim)
+
+
+@caught_by(admission.invariant_victims_rank_below_survivors, "scheduler (priority)")
+def preempts_latest_arrival() -> Implementation:
+    return _with_scheduler("priority scheduler that preempts the latest arrival", PreemptsLatestArrival)

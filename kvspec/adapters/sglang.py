@@ -33,13 +33,15 @@ Conventions, as read from ``sglang/srt/mem_cache/radix_cache.py``:
   segment (``free_segment(x.value)``, ``num_evicted += len(x.value)``) until at least
   ``num_tokens`` are freed.
 * ``recency="per_node"``: ``_match_prefix_helper`` and ``_insert_helper`` stamp
-  ``last_access_time = time.monotonic()`` on each node they visit; ``LRUStrategy`` orders
-  leaves by it.
+  ``last_access_time = time.monotonic()`` on each node they visit; a ``TreeNode`` made
+  after that (the upper part ``_split_node`` cuts off, the new leaf of an insert) is
+  stamped when made, later; ``LRUStrategy`` orders leaves by it.
 * ``lock_by="handle"``: ``inc_lock_ref(node)`` walks from the node to the root,
   ``while node != self.root_node``: locking the root is a no-op.
 * ``page_size``: passed to ``create_simulated``; keys are cut to whole pages
   (``RadixKey.page_aligned``) and matched page by page.
-* ``extra_key_namespaces``: ``RadixKey.extra_key`` keeps equal token ids apart.
+* ``extra_key_namespaces``: ``RadixKey.extra_key`` keeps equal token ids apart (its child
+  keys are ``(extra_key, page)``); the adapter passes a kvspec extra key as it.
 * ``trusts_caller=True``: ``dec_lock_ref`` decrements without checking (a count can go
   below zero), ``insert`` truncates or accepts values of any length and any index, and
   ``evict`` of zero or fewer tokens is a no-op.
@@ -57,7 +59,8 @@ from typing import Any
 
 from kvspec.spec.conventions import Conventions, RadixConventions
 from kvspec.spec.implementation import Implementation
-from kvspec.spec.radix_cache import Key, RadixState
+from kvspec.spec.prefix_cache import ExtraKey
+from kvspec.spec.radix_cache import Key, RadixState, name_tokens
 
 VERSION = "0.5.23"
 
@@ -157,24 +160,24 @@ class SglangRadixCache:
         self.allocator = SimulatedAllocator()
         self.engine = self._sgl.RadixCache.create_simulated(mock_allocator=self.allocator, page_size=page_size)
 
-    def _key(self, key: Sequence[int]) -> Any:
+    def _key(self, key: Sequence[int], extra_key: ExtraKey) -> Any:
         from array import array
 
-        return self._sgl.RadixKey(array("q", key))
+        return self._sgl.RadixKey(array("q", key), extra_key)
 
-    def match_prefix(self, key: Sequence[int]) -> tuple[int, ...]:
-        node = self.engine.match_prefix(self._sgl.MatchPrefixParams(key=self._key(key))).last_device_node
-        return tuple(self.engine.path_device_indices(node).tolist())
+    def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
+        params = self._sgl.MatchPrefixParams(key=self._key(key, extra_key))
+        return tuple(self.engine.path_device_indices(self.engine.match_prefix(params).last_device_node).tolist())
 
-    def insert(self, key: Sequence[int], values: Sequence[int]) -> int:
+    def insert(self, key: Sequence[int], values: Sequence[int], extra_key: ExtraKey = None) -> int:
         tensor = self._sgl.torch.tensor(list(values), dtype=self._sgl.torch.int64)
-        return int(self.engine.insert(self._sgl.InsertParams(key=self._key(key), value=tensor)).prefix_len)
+        return int(self.engine.insert(self._sgl.InsertParams(key=self._key(key, extra_key), value=tensor)).prefix_len)
 
-    def lock(self, key: Sequence[int]) -> None:
-        self.engine.inc_lock_ref(self._handle(key))
+    def lock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None:
+        self.engine.inc_lock_ref(self._handle(key, extra_key))
 
-    def unlock(self, key: Sequence[int]) -> None:
-        self.engine.dec_lock_ref(self._handle(key))
+    def unlock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None:
+        self.engine.dec_lock_ref(self._handle(key, extra_key))
 
     def evict(self, num_tokens: int) -> tuple[int, ...]:
         start = len(self.allocator.freed)
@@ -191,31 +194,33 @@ class SglangRadixCache:
         return int(self.engine.protected_size())
 
     def snapshot(self) -> RadixState:
-        """Each node's tokens and values; a node's own locks are its ``lock_ref`` less its children's."""
+        """Each node's tokens (named by page and extra key, ``name_tokens``) and values; a node's own locks are
+        its ``lock_ref`` less its children's."""
         values: dict[Key, int] = {}
         locks: dict[Key, int] = {}
-        stack: list[tuple[Key, Any]] = [((), self.engine.root_node)]
+        stack: list[tuple[tuple[int, ...], Any]] = [((), self.engine.root_node)]
         while stack:
-            prefix, node = stack.pop()
+            tokens, node = stack.pop()
             children = list(node.children.values())
+            named = name_tokens(tokens, self.engine.page_size, node.key.extra_key)
             if node is not self.engine.root_node:
                 own = node.lock_ref - sum(child.lock_ref for child in children)
                 if own:
-                    locks[prefix] = own
+                    locks[named] = own
             for child in children:
-                path = prefix
-                for token, value in zip(child.key, child.value.tolist(), strict=True):
-                    path += (token,)
-                    values[path] = value
+                path = tokens + tuple(child.key)
+                named = name_tokens(path, self.engine.page_size, child.key.extra_key)
+                for depth, value in enumerate(child.value.tolist(), start=len(tokens) + 1):
+                    values[named[:depth]] = value
                 stack.append((path, child))
         return RadixState(values=values, locks=locks)
 
     # -- handles -------------------------------------------------------------------------
 
-    def _handle(self, key: Sequence[int]) -> Any:
+    def _handle(self, key: Sequence[int], extra_key: ExtraKey) -> Any:
         """The node where the longest cached prefix of ``key`` ends (the root if none), as a match finds it."""
         engine, page_size = self.engine, self.engine.page_size
-        radix_key = self._key(key).page_aligned(page_size)
+        radix_key = self._key(key, extra_key).page_aligned(page_size)
         node, depth = engine.root_node, 0
         while depth < len(radix_key):
             child = node.children.get(radix_key.child_key_at(depth, page_size))

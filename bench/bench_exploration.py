@@ -1,0 +1,86 @@
+"""The exploration score: what each conformance machine reaches, so a hole shows before a bug falls through it.
+
+``python -m bench.bench_exploration [--profile ci] [--machine TEXT] [--json]`` runs every machine of
+``kvspec.properties.suite`` against the reference under the profile, and prints per machine the
+examples run, the steps explored, the distinct operations called, and the share of examples in which
+each mechanism occurred.  A mechanism is a pattern over the events the machines record with
+``hypothesis.event`` (``MECHANISMS``; the harness's "... rejected" events and Hypothesis's own are not mechanisms); a dash
+means the machine never records it (not "0 %").  It prints shares and never asserts them: the score
+is read, and kept, by people.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+
+from hypothesis import settings as Settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvspec.properties import harness, profiles, suite
+from kvspec.report import emit_json, progress, table
+
+MECHANISMS: dict[str, str] = {
+    "hit": r"^(?!no ).*\bhit\b",
+    "CoW": r"^copy-on-write happened",
+    "preemption": r"^preempted",
+    "retry": r"retried",
+    "recycle": r"recycled",
+    "re-admit": r"re-admitted",
+    "replay": r"replayed",
+    "eviction": r"evict|demoted",
+    "fault": r"fault",
+}
+NOT_MECHANISMS = re.compile(r" out of contract, rejected$| rejected with |^(Retried draw|Draw for|gave up)")
+
+
+def score(title: str, path: str, base: Settings) -> dict[str, object]:
+    """Run one machine against the reference; its row of the score."""
+    bound = suite.load_machine(path).bind(harness.load_implementation(harness.REFERENCE))
+    run_state_machine_as_test(bound, settings=harness.conformance_settings(base))
+    examples = [{text for text in events if not NOT_MECHANISMS.search(text)} for events in bound.reached]
+    shares: dict[str, float | None] = {}
+    for mechanism, pattern in MECHANISMS.items():
+        reached = [any(re.search(pattern, text) for text in events) for events in examples]
+        recorded = any(re.search(pattern, text) for events in examples for text in events)
+        shares[mechanism] = sum(reached) / len(examples) if recorded else None
+    return {
+        "machine": title,
+        "examples": len(examples),
+        "steps": bound.steps_explored,
+        "operations": len(bound.operations),
+        "shares": shares,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_exploration", description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="ci", choices=profiles.PROFILES)
+    parser.add_argument("--machine", default="", help="only the machines whose title contains this text")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    base = Settings.get_profile(args.profile)
+    chosen = [(title, path) for title, path in suite.MACHINES if args.machine in title]
+    rows = [score(title, path, base) for title, path in progress(chosen, "machines")]
+    if args.json:
+        emit_json({"profile": args.profile, "machines": rows})
+        return 0
+    header = ["machine", "examples", "steps", "ops", *MECHANISMS]
+    body = [
+        [
+            row["machine"],
+            row["examples"],
+            row["steps"],
+            row["operations"],
+            *("-" if share is None else f"{share:.0%}" for share in row["shares"].values()),  # type: ignore[attr-defined]
+        ]
+        for row in rows
+    ]
+    print(table(header, body, title=f"exploration score, profile {args.profile}: share of examples per mechanism"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Sliding-window tables: the window manager against ``kvspec.spec.sliding_window``'s model.
+
+The machine admits sequences into a few fixed slots with windows of 1-3
+blocks, appends to them (so blocks slide out and are reused at once), frees
+them, and sends out-of-contract calls; the pool's invariants are checked with
+the entries *in windows* as the holders.  An admission or append refused for
+want of blocks is retried after a free.
+"""
+
+from __future__ import annotations
+
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
+
+from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.spec import block_pool
+from kvspec.spec import sliding_window as model
+
+SEQS = st.integers(0, 3)
+COUNTS = st.one_of(st.integers(0, 9), st.integers(-1, 0))
+
+
+class SlidingWindowMachine(LockstepMachine):
+    @initialize(capacity=st.integers(1, 8), block_size=st.integers(1, 3), blocks=st.integers(1, 3), data=st.data())
+    def start(self, capacity: int, block_size: int, blocks: int, data: st.DataObject) -> None:
+        window = data.draw(st.integers(max(1, (blocks - 1) * block_size), blocks * block_size), label="window")
+        policy = data.draw(st.sampled_from(self.conventions.pool.policies), label="policy")
+        self.record(f"windows = sliding_window_manager(capacity={capacity}, block_size={block_size}, window={window})")
+        spec = model.new_windows(block_size, window, block_pool.new_pool(capacity, policy, self.conventions.pool))
+        factory = self.implementation.sliding_window_manager
+        assert factory is not None, "complete_with fills every layer from the reference"
+        impl = factory(self.implementation.block_pool(capacity, policy), block_size, window)  # type: ignore[misc]
+        self.windows = self.subject("windows", model, spec, impl)
+        self.refused: tuple[str, int, int] | None = None
+
+    def grow(self, operation: str, seq: int, n: int) -> None:
+        before = self.windows.model
+        if self.windows(operation, seq, n) is None:
+            self.refused = (operation, seq, n)
+            return
+        after = self.windows.model
+        slid = sum(1 for s, t in after.tables.items() for b in t if b is None) > sum(
+            1 for s, t in before.tables.items() if s in after.tables for b in t if b is None
+        )
+        event("blocks slid out of the window" if slid else "window kept every block")
+
+    @rule(seq=SEQS, length=COUNTS)
+    def add_sequence(self, seq: int, length: int) -> None:
+        self.grow("add_sequence", seq, length)
+
+    @rule(seq=SEQS, n=COUNTS)
+    def append(self, seq: int, n: int) -> None:
+        self.grow("append", seq, n)
+
+    @rule(seq=SEQS)
+    def free(self, seq: int) -> None:
+        """Free a sequence; then retry the admission or append refused last, as a scheduler does."""
+        if self.windows("free", seq) is not None and self.refused is not None:
+            (operation, refused_seq, n), self.refused = self.refused, None
+            event("revisit: retried a rejected call")
+            self.grow(operation, refused_seq, n)
+
+    @rule(seq=SEQS)
+    def block_table(self, seq: int) -> None:
+        self.windows("block_table", seq)
+
+    @invariant()
+    def matches_spec(self) -> None:
+        if not hasattr(self, "windows"):
+            return
+        state = self.windows.snapshot()
+        self.check(model.invariant_window_blocks_exact, state)
+        self.check_group(block_pool.STATE, state.pool, model.holders(state.tables))
+        self.check(model.invariant_window_refines_spec, state, model.abstract(self.windows.model))
+
+
+TestSlidingWindow = conformance_test(SlidingWindowMachine)
