@@ -35,7 +35,7 @@ from kvspec.impl import reference
 from kvspec.impl.broken.scheduler import NeverPreempts
 from kvspec.impl.scheduler import Scheduler
 from kvspec.report import emit_json, progress, table
-from kvspec.spec.scheduler import deadline
+from kvspec.spec.preemption import deadline
 
 PCIE_BYTES_PER_S = 25e9
 COPY_OVERHEAD_S = 10e-6

@@ -13,13 +13,18 @@ from collections.abc import Hashable, Sequence
 from kvspec.spec.block_manager import (
     ManagerState,
     SeqId,
+    TierLoad,
     WritePlan,
     blocks_for,
     check_block_size,
     check_tokens,
+    require_continuation,
+    tier_contents,
+    tier_factor,
 )
 from kvspec.spec.block_pool import BlockPool as BlockPoolProtocol
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
+from kvspec.spec.kv_store import KVStore
 
 
 class BlockManager:
@@ -94,6 +99,42 @@ class BlockManager:
             dst._tokens[seq] = list(self._tokens[seq])
             self.free(seq)
         return tuple(mapping.items())
+
+    def truncate(self, seq: SeqId, blocks: int) -> None:
+        table = self._table(seq)
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or not 0 <= blocks <= len(table):
+            raise InvalidOperation(f"sequence {seq!r} has {len(table)} blocks: it cannot keep {blocks!r}")
+        self._pool.release(table[blocks:][::-1])
+        del table[blocks:], self._tokens[seq][blocks * self._block_size :]
+
+    def swap_in(
+        self, store: KVStore, node: int, tier_block_size: int, seq: SeqId, keys: Sequence[Hashable]
+    ) -> TierLoad:
+        table, tokens, size = self._table(seq), self._tokens[seq], self._block_size
+        factor = tier_factor(tier_block_size, size)
+        contents = dict(zip(keys, tier_contents(store.snapshot(), node, keys), strict=True))
+        require_continuation(seq, tokens, size, tier_block_size, list(contents.values()))
+        plan = self._load_plan(len(table), factor, [(key, len(contents[key])) for key in keys])
+        needed = sum(1 for index, _, _ in plan if index >= len(table))
+        self._ensure_room(needed)
+        fresh = iter(self._pool.allocate(needed))
+        for index, key, offset in plan:
+            if index >= len(table):
+                table.append(next(fresh))
+            self._contents[table[index]] = list(contents[key][offset : offset + size])
+            tokens += self._contents[table[index]]
+        return tuple((table[index], key, offset) for index, key, offset in plan)
+
+    def _load_plan(
+        self, resident: int, factor: int, tiers: list[tuple[Hashable, int]]
+    ) -> list[tuple[int, Hashable, int]]:
+        """(device block index, tier key, token offset) of each block to load, after the resident ones."""
+        plan, index = [], resident
+        for number, (key, length) in enumerate(tiers):
+            for part in range(resident % factor if number == 0 else 0, blocks_for(length, self._block_size)):
+                plan.append((index, key, part * self._block_size))
+                index += 1
+        return plan
 
     def snapshot(self) -> ManagerState:
         pool = self._pool.snapshot()

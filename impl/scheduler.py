@@ -16,8 +16,10 @@ from collections.abc import Iterable, Iterator
 
 import attrs
 
+from kvspec.spec.admission import admissible, prefill_demand
 from kvspec.spec.block_manager import BlockManager
 from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.preemption import append_demand
 from kvspec.spec.prefix_cache import PrefixCachingManager, max_hit_blocks
 from kvspec.spec.scheduler import (
     Group,
@@ -28,12 +30,9 @@ from kvspec.spec.scheduler import (
     SchedulerConfig,
     SchedulerState,
     StepReport,
-    admissible,
-    append_demand,
     check_config,
     check_fits_alone,
     check_request,
-    prefill_demand,
     rank,
     sampled_token,
 )

@@ -110,33 +110,40 @@ class BlockManagerMachine(LockstepMachine):
 
     @rule(target=seqs, device=DEVICES, prompt=PROMPTS, data=st.data())
     def add_sequence(self, device: str, prompt: list[int], data: st.DataObject):
-        """A new prompt, or an earlier one again: under a freed id (the slot it had) or a new one.  First, as
-        often as not, the write refused last is retried, as a scheduler retries its waiting request."""
-        retried = None
+        """A new prompt, or an earlier one again (``revisit``)."""
+        return multiple(*self.revisit(data, device), *[s for s in [self.add(device, prompt)] if s is not None])
+
+    def revisit(self, data: st.DataObject, device: str) -> list[int]:
+        """Drawn inside every rule that adds sequences, so that swarm testing never turns it off: as often as
+        not, the write refused last again, as a scheduler retries its waiting request; as often, an earlier
+        prompt again, under a freed id (the slot it had) or a new one.  The sequences it added."""
+        added = []
         if self.refused is not None and data.draw(st.booleans(), label="retry the refused write first"):
-            retried = self.retry_refused()
-        seq = None
+            added.append(self.retry_refused())
         if self.prompts and data.draw(st.booleans(), label="an earlier prompt"):
             prompt = data.draw(st.sampled_from(self.prompts), label="earlier prompt")
             vacant = [s for s in self.freed_ids if all(s not in d.model.tables for d in self.devices.values())]
+            seq = None
             if vacant and data.draw(st.booleans(), label="in a freed slot"):
                 seq = data.draw(st.sampled_from(vacant), label="freed slot")
             event(f"revisit: re-admitted an earlier prompt in {'the same' if seq is not None else 'another'} slot")
-        seq = self.add(device, prompt, seq)
-        return multiple(*(s for s in (retried, seq) if s is not None))
+            added.append(self.add(device, prompt, seq))
+        return [seq for seq in added if seq is not None]
 
     @rule(seq=seqs, tokens=APPENDS)
     def append(self, seq: int, tokens: list[int]) -> None:
         self.extend(seq, tokens)
 
-    @rule(target=seqs, parent=seqs)
-    def fork(self, parent: int):
+    @rule(target=seqs, parent=seqs, data=st.data())
+    def fork(self, parent: int, data: st.DataObject):
+        revisited = self.revisit(data, self.where.get(parent, "gpu"))
         child = self.fork_of(parent)
-        return multiple() if child is None else child
+        return multiple(*revisited, *([] if child is None else [child]))
 
-    @rule(target=seqs, prompt=PROMPTS, n=st.integers(2, 4))
-    def parallel_sampling(self, prompt: list[int], n: int):
+    @rule(target=seqs, prompt=PROMPTS, n=st.integers(2, 4), data=st.data())
+    def parallel_sampling(self, prompt: list[int], n: int, data: st.DataObject):
         """Lecture exercise 4: a prompt, n - 1 forks of it, then each of the n samples writes a token."""
+        revisited = self.revisit(data, "gpu")
         parent = self.add("gpu", prompt)
         samples = [parent] if parent is not None else []
         while samples and len(samples) < n and (child := self.fork_of(parent)) is not None:
@@ -149,7 +156,7 @@ class BlockManagerMachine(LockstepMachine):
         if len(samples) == n and None not in plans:
             copies = sum(len(plan.copies) for plan in plans)
             self.check(model.invariant_parallel_sampling_copies, n, len(prompt), self.block_size, copies)
-        return multiple(*samples)
+        return multiple(*revisited, *samples)
 
     @rule(target=freed, seq=consumes(seqs))
     def free(self, seq: int):

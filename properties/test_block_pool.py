@@ -40,13 +40,20 @@ class BlockPoolMachine(LockstepMachine):
     def some_block(self, data: st.DataObject) -> int:
         return data.draw(st.integers(0, self.pool.model.capacity - 1), label="block")
 
-    @rule(n=st.one_of(st.integers(1, 2), st.integers(1, 2), st.integers(-1, 9)), retry=st.booleans())
-    def allocate(self, n: int, retry: bool) -> None:
-        """An allocation; or, if ``retry``, the last one refused for want of blocks, as it was."""
-        if retry and self.refused:
-            event("revisit: retried a rejected call")
-            n = self.refused
+    @rule(n=st.one_of(st.integers(1, 2), st.integers(1, 2), st.integers(-1, 9)), data=st.data())
+    def allocate(self, n: int, data: st.DataObject) -> None:
+        self.revisit(data)
         self._allocate(n)
+
+    def revisit(self, data: st.DataObject) -> None:
+        """Drawn inside the common rules, so that swarm testing never turns it off: as often as not, the
+        allocation refused last again, as it was; as often, an evicted hash cached again."""
+        if self.refused and data.draw(st.booleans(), label="retry the refused allocation"):
+            event("revisit: retried a rejected call")
+            self._allocate(self.refused)
+        evicted = sorted(self.ever_cached - set(self.pool.model.cached))
+        if evicted and data.draw(st.booleans(), label="cache an evicted hash again"):
+            self.fill_and_cache(data.draw(st.sampled_from(evicted), label="evicted hash"))
 
     def _allocate(self, n: int) -> list[int]:
         before = self.pool.snapshot()
@@ -67,6 +74,7 @@ class BlockPoolMachine(LockstepMachine):
 
     @rule(data=st.data())
     def share_any(self, data: st.DataObject) -> None:
+        self.revisit(data)
         self._share([self.some_block(data)])
 
     def _share(self, blocks: list[int]) -> None:
@@ -119,8 +127,9 @@ class BlockPoolMachine(LockstepMachine):
     def register_any(self, data: st.DataObject, block_hash: str) -> None:
         self.pool("register", self.some_block(data), block_hash)
 
-    @rule(block_hash=HASHES)
-    def lookup(self, block_hash: str) -> None:
+    @rule(block_hash=HASHES, data=st.data())
+    def lookup(self, block_hash: str, data: st.DataObject) -> None:
+        self.revisit(data)
         answer = self.pool("lookup", block_hash)
         if answer is not None:
             event("lookup hit" if answer.expected is not None else "lookup miss")
@@ -133,8 +142,9 @@ class BlockPoolMachine(LockstepMachine):
             event("hit on a free cached block" if self.pool.model.refcounts[block] == 0 else "hit on a block in use")
             self._share([block])
 
-    @rule(n=st.one_of(st.integers(1, 2), st.integers(-1, 3)))
-    def evict(self, n: int) -> None:
+    @rule(n=st.one_of(st.integers(1, 2), st.integers(-1, 3)), data=st.data())
+    def evict(self, n: int, data: st.DataObject) -> None:
+        self.revisit(data)
         before = self.pool.snapshot()
         answer = self.pool("evict", n, judged_by=model.invariant_eviction_order)
         if answer is not None:

@@ -10,7 +10,8 @@ pulls a replica, or -- when the prefix was lost -- recomputes it from the
 document's tokens and puts it back, and must read exactly the document.
 The search revisits: a put, get or replication refused (no unpinned room, a
 dead node) is retried after an unpin or a restart, and documents are served
-again, often after eviction or a fault took some of their blocks.
+again, often after eviction or a fault took some of their blocks -- both also
+drawn inside the common rules, so that swarm testing never turns them off.
 """
 
 from __future__ import annotations
@@ -96,7 +97,17 @@ class KVStoreMachine(LockstepMachine):
 
     @rule(data=st.data(), key=KEYS, tokens=CONTENTS)
     def put(self, data: st.DataObject, key: str, tokens: Tokens) -> None:
+        self.revisit(data)
         self._put(self.node(data), key, tokens)
+
+    def revisit(self, data: st.DataObject) -> None:
+        """Drawn inside the common rules, so that swarm testing never turns it off: as often as not, the call
+        refused last again; as often, a document served before is served again, on the node it was or another."""
+        if self.refused is not None and data.draw(st.booleans(), label="retry the refused call first"):
+            self.retry_refused()
+        if self.served and data.draw(st.booleans(), label="serve an earlier document"):
+            document = data.draw(st.sampled_from(sorted(self.served)), label="earlier document")
+            self._serve(data.draw(st.integers(0, len(self.store.model.alive) - 1), label="node"), document)
 
     def _put(self, node: int, key: Key, tokens: Tokens) -> bool:
         ok, _ = self._op("put", node, key, tokens)
@@ -110,10 +121,16 @@ class KVStoreMachine(LockstepMachine):
     @precondition(lambda self: self.store.model.copies)
     @rule(data=st.data(), tokens=CONTENTS)
     def reput_held(self, data: st.DataObject, tokens: Tokens) -> None:
-        """Write a block again, often with new contents, where some node already holds it."""
+        """Write a block again, often with new contents, where some node already holds it; then, as often as
+        not, demote its tier until the copy goes down, and read it back: it must come up with the new contents."""
         node, key = data.draw(st.sampled_from(self.held()), label="copy")
-        if isinstance(key, str):  # a document's blocks keep their tokens: they are named by them
-            self._put(node, key, tokens)
+        if not isinstance(key, str) or not self._put(node, key, tokens):  # a document's blocks keep their tokens
+            return
+        if data.draw(st.booleans(), label="send it down a tier and read it back"):
+            tier = self.store.model.copies[(node, key)].tier
+            while tier < len(TIERS) - 1 and self.demote(node, tier) not in (None, key):
+                pass
+            self._get(node, key)
 
     def replicated(self) -> list[tuple[int, Key]]:
         return [(n, k) for n, k in self.held() if isinstance(k, str) and len(model.lookup(self.store.model, k)) > 1]
@@ -126,6 +143,7 @@ class KVStoreMachine(LockstepMachine):
 
     @rule(data=st.data(), key=KEYS)
     def get(self, data: st.DataObject, key: str) -> None:
+        self.revisit(data)
         self._get(self.node(data), key)
 
     def _get(self, node: int, key: Key) -> Tokens | None:
@@ -147,19 +165,25 @@ class KVStoreMachine(LockstepMachine):
 
     @rule(data=st.data(), tier=st.integers(-1, len(TIERS)))
     def demote_any(self, data: st.DataObject, tier: int) -> None:
+        self.revisit(data)
         self.demote(self.node(data), tier)
 
-    def demote(self, node: int, tier: int) -> None:
+    def demote(self, node: int, tier: int) -> Key | None:
         ok, victim = self._op("demote", node, tier)
         if ok and victim is not None:
             event(f"demoted out of the {TIERS[tier]} tier")
+        return victim if ok else None
 
     @precondition(lambda self: any(copy.tier < len(TIERS) - 1 for copy in self.store.model.copies.values()))
     @rule(data=st.data())
     def demote_held(self, data: st.DataObject) -> None:
-        """Demote out of a tier that holds a block."""
+        """Demote out of a tier that holds a block; then, as often as not, read the victim back: it comes up
+        again with the contents last put, wherever the store kept them."""
         places = sorted({(n, c.tier) for (n, _), c in self.store.model.copies.items() if c.tier < len(TIERS) - 1})
-        self.demote(*data.draw(st.sampled_from(places), label="tier"))
+        node, tier = data.draw(st.sampled_from(places), label="tier")
+        victim = self.demote(node, tier)
+        if victim is not None and data.draw(st.booleans(), label="read the demoted block back"):
+            self._get(node, victim)
 
     @precondition(lambda self: self.store.model.copies)
     @rule(data=st.data())
@@ -173,6 +197,7 @@ class KVStoreMachine(LockstepMachine):
 
     @rule(data=st.data(), tier=st.integers(-1, len(TIERS)))
     def evict_any(self, data: st.DataObject, tier: int) -> None:
+        self.revisit(data)
         self.evict(self.node(data), tier)
 
     def evict(self, node: int, tier: int) -> None:
@@ -262,8 +287,9 @@ class KVStoreMachine(LockstepMachine):
         if self._op("restart", node)[0]:
             self.retry_refused()
 
-    @rule(key=KEYS)
-    def lookup(self, key: str) -> None:
+    @rule(key=KEYS, data=st.data())
+    def lookup(self, key: str, data: st.DataObject) -> None:
+        self.revisit(data)
         self._lookup(key)
 
     def _lookup(self, key: Key) -> None:

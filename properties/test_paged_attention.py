@@ -8,7 +8,9 @@ token; beam-search steps that fork children of the surviving beams and drop
 the parents; frees; and invalid operations.  Sequences live in a few fixed
 slots, so every drawn operation means the same thing whatever ran before it
 (a freed slot is reused by the next sequence put there), and a failure
-shrinks to a few steps.  Every operation on the paged side runs in lockstep
+shrinks to a few steps.  Every step revisits, as often as not: the admission
+or extension refused last comes back, and an earlier prompt is admitted again
+in its slot or another.  Every operation on the paged side runs in lockstep
 with ``kvspec.spec.block_manager``'s model, and every forward is checked with
 ``invariant_paged_equals_contiguous``.
 
@@ -64,6 +66,8 @@ class PagedAttentionMachine(LockstepMachine):
         self.copies = 0
         self.deepest_fork = 0
         self.generation: dict[int, int] = {}
+        self.prompts: list[tuple[int, list[int]]] = []  # (slot, prompt) of every admission
+        self.refused: tuple[int, list[int]] | None = None  # the admission or extension refused last
 
     def live(self) -> list[int]:
         return sorted(self.paged.model.tables)
@@ -81,12 +85,14 @@ class PagedAttentionMachine(LockstepMachine):
         operation = "append" if extending else "add_sequence"
         answer = self.paged(operation, seq, list(tokens), judged_by=None)
         if answer is None:
+            self.refused = (seq, list(tokens))
             return None
         getattr(self.twin, operation)(seq, tokens)
         if extending:
             self.copies += len(answer.expected.copies)
             return tokens
         self.generation[seq] = 0
+        self.prompts.append((seq, list(tokens)))
         return tokens[answer.actual :]  # add_sequence answers how many leading tokens were cached
 
     def admit_and_forward(self, batch: Sequence[tuple[int, Sequence[int]]]) -> None:
@@ -102,8 +108,28 @@ class PagedAttentionMachine(LockstepMachine):
 
     @rule(data=st.data(), seqs=st.lists(SEQS, min_size=1, max_size=3, unique=True))
     def step(self, data: st.DataObject, seqs: list[int]) -> None:
-        """One ragged batch: new prompts (empty slots), prefill chunks and decode tokens (live ones) together."""
-        self.admit_and_forward([(seq, data.draw(self.decode_or_chunk, label=f"tokens of {seq}")) for seq in seqs])
+        """One ragged batch: new prompts (empty slots), prefill chunks and decode tokens (live ones) together,
+        with what ``revisit`` brings back."""
+        batch = dict(self.revisit(data))
+        for seq in seqs:
+            batch.setdefault(seq, data.draw(self.decode_or_chunk, label=f"tokens of {seq}"))
+        self.admit_and_forward(list(batch.items()))
+
+    def revisit(self, data: st.DataObject) -> list[tuple[int, list[int]]]:
+        """Drawn inside every step, so that swarm testing never turns it off: as often as not, the admission or
+        extension refused last again; as often, an earlier prompt again, in its slot if free or another."""
+        entries = []
+        if self.refused is not None and data.draw(st.booleans(), label="retry the refused call first"):
+            entries.append(self.refused)
+            self.refused = None
+            event("revisit: retried a rejected call")
+        free = [seq for seq in self.free_slots() if seq not in dict(entries)]
+        if self.prompts and free and data.draw(st.booleans(), label="an earlier prompt"):
+            slot, prompt = data.draw(st.sampled_from(self.prompts), label="earlier prompt")
+            seq = slot if slot in free else data.draw(st.sampled_from(free), label="free slot")
+            event(f"revisit: re-admitted an earlier prompt in {'the same' if seq == slot else 'another'} slot")
+            entries.append((seq, prompt))
+        return entries
 
     @rule(parent=SEQS, child=SEQS)
     def fork(self, parent: int, child: int) -> None:

@@ -23,7 +23,9 @@ decode after a swap, the prefill of a recompute -- is compared with the
 twin's logits for the same positions.  The GPU and CPU managers run in
 lockstep with ``kvspec.spec.prefix_cache``'s model, so verdicts (no room to admit,
 a full CPU, a full GPU on swap-in) and hit lengths are the spec's.  Sequence
-ids live in a few fixed slots, as in ``kvspec.properties.test_paged_attention``.
+ids live in a few fixed slots, as in ``kvspec.properties.test_paged_attention``,
+and every step revisits as that machine's does -- an earlier prompt admitted
+after eviction took its cached blocks is a replay.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ class PagedLifecycleMachine(LockstepMachine):
         )
         self.history: dict[int, list[np.ndarray]] = {}  # the twin's logits of each position, per live sequence
         self.swapped: list[tuple[int, ...]] = []  # groups on the CPU, in the order they left
+        self.admitted: list[tuple[int, list[int], int]] = []  # (slot, prompt, evictions then) of every admission
+        self.refused: tuple[int, list[int]] | None = None  # the admission or extension refused last
+        self.evictions = 0  # cached blocks evicted so far on the GPU
 
     # -- where sequences are ---------------------------------------------------------
 
@@ -132,6 +137,7 @@ class PagedLifecycleMachine(LockstepMachine):
             event(f"{why}: hit of {hits if hits < 4 else '4+'} blocks")
             computed = tokens[cached:]
         if forgotten(before, self.gpu.model.manager.pool):
+            self.evictions += forgotten(before, self.gpu.model.manager.pool)
             event("a write evicted cached blocks")
         return computed
 
@@ -153,12 +159,14 @@ class PagedLifecycleMachine(LockstepMachine):
         for seq, tokens in entries:
             computed = self.admit(seq, tokens, "admission")
             if computed is None:
+                self.refused = (seq, list(tokens))
                 continue
             if seq in self.history:
                 self.twin.append(seq, tokens)
             else:
                 self.twin.add_sequence(seq, tokens)
                 self.history[seq] = []
+                self.admitted.append((seq, list(tokens), self.evictions))
             paged_batch.append((seq, computed))
             twin_batch.append((seq, tokens))
         if twin_batch:
@@ -179,14 +187,34 @@ class PagedLifecycleMachine(LockstepMachine):
     @rule(data=st.data(), slots=st.lists(SEQS, min_size=1, max_size=3, unique=True))
     def step(self, data: st.DataObject, slots: list[int]) -> None:
         """A ragged batch: new prompts (empty slots), which may hit the cache, beside decodes (sequences on the GPU)."""
-        on_gpu, entries = self.on_gpu(), []
-        for seq in slots:
+        on_gpu, entries = self.on_gpu(), self.revisit(data)
+        for seq in (slot for slot in slots if slot not in dict(entries)):
             if seq in on_gpu:
                 entries.append((seq, [data.draw(TOKENS, label=f"token of {seq}")]))
             elif seq not in self.history:
                 entries.append((seq, data.draw(self.prompts, label=f"prompt of {seq}")))
         if len(self.run_batch(entries)) > 1:
             event("ragged batch" if len({len(tokens) for _, tokens in entries}) > 1 else "uniform batch")
+
+    def revisit(self, data: st.DataObject) -> list[tuple[int, list[int]]]:
+        """Drawn inside every step, so that swarm testing never turns it off: as often as not, the admission or
+        decode refused last again (if its sequence is still where it was); as often, an earlier prompt again, in
+        its slot if empty or another -- after eviction took its cached blocks, a replay."""
+        entries = []
+        if self.refused is not None and data.draw(st.booleans(), label="retry the refused call first"):
+            (seq, tokens), self.refused = self.refused, None
+            if (seq in self.on_gpu()) == (seq in self.history):
+                event("revisit: retried a rejected call")
+                entries.append((seq, tokens))
+        empty = [seq for seq in self.empty_slots() if seq not in dict(entries)]
+        if self.admitted and empty and data.draw(st.booleans(), label="an earlier prompt"):
+            slot, prompt, evictions = data.draw(st.sampled_from(self.admitted), label="earlier prompt")
+            seq = slot if slot in empty else data.draw(st.sampled_from(empty), label="empty slot")
+            event(f"revisit: re-admitted an earlier prompt in {'the same' if seq == slot else 'another'} slot")
+            if evictions < self.evictions:
+                event("revisit: replayed a prompt after eviction")
+            entries.append((seq, prompt))
+        return entries
 
     @rule(parent=SEQS, child=SEQS)
     def fork(self, parent: int, child: int) -> None:

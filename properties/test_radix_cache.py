@@ -64,8 +64,9 @@ class RadixCacheMachine(LockstepMachine):
         self.next_value += len(key)
         return (values[:-1] + [-1] if values else [0]) if corrupt else values
 
-    @rule(key=KEYS, corrupt=st.integers(0, 9).map(lambda n: n == 0))
-    def insert(self, key: list[int], corrupt: bool) -> None:
+    @rule(key=KEYS, corrupt=st.integers(0, 9).map(lambda n: n == 0), data=st.data())
+    def insert(self, key: list[int], corrupt: bool, data: st.DataObject) -> None:
+        self.revisit(data)
         self.radix("insert", key, self.values_for(key, corrupt), *self.namespace(self.extra_key))
 
     @rule(extra_key=EXTRA_KEYS)
@@ -79,10 +80,31 @@ class RadixCacheMachine(LockstepMachine):
         """What a call passes after its arguments: the extra key, if there is one."""
         return () if extra_key is None else (extra_key,)
 
-    @rule(key=KEYS)
-    def match_prefix(self, key: list[int]) -> None:
+    @rule(key=KEYS, data=st.data())
+    def match_prefix(self, key: list[int], data: st.DataObject) -> None:
         """A match alone, as a scheduler ranking its waiting requests by prefix does."""
+        self.revisit(data)
         self.match(key)
+
+    def revisit(self, data: st.DataObject) -> None:
+        """Drawn inside the common rules, so that swarm testing never turns it off: as often as not, the lock or
+        unlock refused last again; as often, an earlier request's prompt met again -- matched and cached."""
+        if self.refused is not None and data.draw(st.booleans(), label="retry the refused call first"):
+            (operation, key), self.refused = self.refused, None
+            event("revisit: retried a rejected call")
+            if self.radix(operation, key, *self.namespace(self.extra_key)) is None:
+                self.refused = (operation, key)
+        if self.prompts and data.draw(st.booleans(), label="an earlier prompt again"):
+            key = self.earlier_prompt(data)
+            self.match(key)
+            self.radix("insert", key, self.values_for(key, corrupt=False), *self.namespace(self.extra_key))
+
+    def earlier_prompt(self, data: st.DataObject) -> list[int]:
+        key, evicted_then = data.draw(st.sampled_from(self.prompts), label="earlier prompt")
+        event("revisit: re-admitted an earlier prompt")
+        if evicted_then < self.evicted:
+            event("revisit: replayed a prompt after eviction")
+        return key
 
     def match(self, key: list[int]) -> int:
         """Match ``key`` on both sides; the number of tokens that hit."""
@@ -112,10 +134,7 @@ class RadixCacheMachine(LockstepMachine):
         as not the prompt is an earlier request's, met again after the tree changed.  A prompt is whole pages."""
         key += [0] * (-len(key) % self.conventions.radix.page_size)
         if self.prompts and data.draw(st.booleans(), label="an earlier prompt"):
-            key, evicted_then = data.draw(st.sampled_from(self.prompts), label="earlier prompt")
-            event("revisit: re-admitted an earlier prompt")
-            if evicted_then < self.evicted:
-                event("revisit: replayed a prompt after eviction")
+            key = self.earlier_prompt(data)
         self.prompts.append((key, self.evicted))
         matched = self.match(key)
         over_budget = len(self.radix.model.values) + len(key) - matched - CACHE_BUDGET
@@ -130,9 +149,10 @@ class RadixCacheMachine(LockstepMachine):
         key, extra_key = request
         self.radix("unlock", key, *self.namespace(extra_key))
 
-    @rule(n=st.integers(-1, 8))
-    def evict(self, n: int) -> None:
+    @rule(n=st.integers(-1, 8), data=st.data())
+    def evict(self, n: int, data: st.DataObject) -> None:
         self.evict_both(n)
+        self.revisit(data)
 
     def evict_both(self, n: int) -> None:
         before = self.radix.snapshot()

@@ -1,4 +1,4 @@
-"""Layer 4 conformance: the scheduler against ``kvspec.spec.scheduler``'s model.
+"""Layer 4 conformance: the scheduler against ``kvspec.spec.scheduler_model``.
 
 Tiny GPU and CPU pools (a few blocks of 1-4 tokens) make preemption the
 common case; requests of one to three samples arrive, are aborted, and the
@@ -9,7 +9,7 @@ scheduler's own invariants and ``kvspec.spec.admission``'s hold, and the
 state is the model's (block numbers aside).  ``DeadlockFreedomMachine`` runs
 the implementation alone, with no model to follow, for long stretches: every
 accepted request fits the GPU alone, so each must finish by the deadline
-``kvspec.spec.scheduler.deadline`` states.
+``kvspec.spec.preemption.deadline`` states.
 
 The engine-shaped machines run the scheduler over prefix-caching managers
 (``CachedSchedulerMachine``: prompts cut from three documents, so admissions
@@ -27,26 +27,33 @@ after its blocks were evicted.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, ClassVar
 
+import attrs
 from hypothesis import event, target
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
 from kvspec.properties.harness import LockstepMachine, conformance_test
-from kvspec.spec import admission, block_manager, block_pool, prefix_cache
-from kvspec.spec import scheduler as model
+from kvspec.spec import admission, block_manager, block_pool, preemption, prefix_cache
+from kvspec.spec import scheduler_model as model
 from kvspec.spec.errors import RequestTooLarge
 from kvspec.spec.invariants import invariant_result_matches_spec
 from kvspec.spec.prefix_cache import max_hit_blocks
-from kvspec.spec.scheduler import Preemption, QueuePolicy, Request, SchedulerConfig, SchedulerState, StepReport
+from kvspec.spec.scheduler import (
+    Preemption,
+    QueuePolicy,
+    Request,
+    SchedulerConfig,
+    SchedulerState,
+    StepReport,
+    invariant_scheduler_refines_spec,
+    rank,
+)
 
-SIZES = {
-    "gpu_blocks": st.integers(3, 8),
-    "cpu_blocks": st.integers(1, 6),
-    "block_size": st.integers(1, 4),
-    "watermark": st.integers(0, 2),
-}
+SIZES = {"cpu_blocks": st.integers(1, 6), "block_size": st.integers(1, 4)}
+GPU_BLOCKS, WATERMARKS = st.integers(3, 8), st.integers(0, 2)
 
 
 class SchedulerMachineBase(LockstepMachine):
@@ -59,9 +66,12 @@ class SchedulerMachineBase(LockstepMachine):
     priorities: ClassVar[st.SearchStrategy[int]] = st.just(0)
     caching: ClassVar[bool] = False  # both devices' managers cache prefixes
 
-    @initialize(**SIZES)
-    def start(self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int) -> None:
-        self.config = SchedulerConfig(preemption=self.preemption, watermark=watermark, policy=self.policy)
+    @initialize(**SIZES, gpu_blocks=GPU_BLOCKS, watermark=WATERMARKS)
+    def start(
+        self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int, preemption: Preemption | None = None
+    ) -> None:
+        preemption = preemption or self.preemption
+        self.config = SchedulerConfig(preemption=preemption, watermark=watermark, policy=self.policy)
         self.record(f"scheduler(gpu_blocks={gpu_blocks}, cpu_blocks={cpu_blocks}, B={block_size}, {self.config})")
         impl = self.implementation
         manager = impl.prefix_caching_manager if self.caching else impl.block_manager
@@ -75,7 +85,7 @@ class SchedulerMachineBase(LockstepMachine):
         self.next_id = 0
         self.arrivals: dict[int, tuple[int, int]] = {}  # request -> (step it arrived after, unfinished then)
         self.longest = 0  # the largest max_new_tokens accepted so far: M of the deadline
-        self.preemptions = 0
+        self.preemptions: Counter[Preemption] = Counter()
         self.bounded = self.policy == "fcfs"  # the deadline holds under fcfs while every request arrives ready
 
     def draw_prompt(self, data: st.DataObject) -> tuple[int, ...]:
@@ -101,39 +111,42 @@ class SchedulerMachineBase(LockstepMachine):
         after = self.scheduler.impl.snapshot()
         self.check_state(after)
         if self.policy == "fcfs":
-            self.check(model.invariant_oldest_never_preempted, before, report)
-        self.check(model.invariant_admission_in_arrival_order, after, report)
+            self.check(preemption.invariant_oldest_never_preempted, before, report)
+        self.check(admission.invariant_admission_in_arrival_order, after, report)
         self.check(admission.invariant_watermark_kept, after, report)
         self.check(admission.invariant_admission_stops_only_when_short, after, report)
-        self.check(admission.invariant_preempted_keeps_no_grant, report)
-        self.check(admission.invariant_victims_rank_below_survivors, before, report)
-        ranks = {g.request.request_id: model.rank(g, self.policy) for g in before.groups}
+        self.check(preemption.invariant_preempted_keeps_no_grant, report)
+        self.check(preemption.invariant_victims_rank_below_survivors, before, report)
+        ranks = {g.request.request_id: rank(g, self.policy) for g in before.groups}
         for victim, how in report.preempted:
             event(f"preempted by {how}")
             if any(ranks[victim][1] < ranks[rid][1] for rid, _ in report.granted):
                 event("victim arrived before a request that kept its grant")
-        self.preemptions += len(report.preempted)
+        self.preemptions.update(how for _, how in report.preempted)
 
     def check_state(self, state: SchedulerState) -> None:
         self.check_group(model.STATE, state)
         self.check(admission.invariant_not_ready_never_admitted, state)
         if self.bounded:
-            deadlines = {rid: model.deadline(after, k, self.longest) for rid, (after, k) in self.arrivals.items()}
-            self.check(model.invariant_finishes_within_bound, state, deadlines)
+            deadlines = {rid: preemption.deadline(after, k, self.longest) for rid, (after, k) in self.arrivals.items()}
+            self.check(preemption.invariant_finishes_within_bound, state, deadlines)
 
     def teardown(self) -> None:
         if hasattr(self, "scheduler"):
             event("preemption in this run" if self.preemptions else "no preemption in this run")
-            target(float(self.preemptions), label="preemptions")
+            for how in ("swap", "recompute"):  # each kind apart: recomputes alone would crowd swaps out
+                target(float(self.preemptions[how]), label=f"preemptions by {how}")
         super().teardown()
 
 
 class SchedulerMachine(SchedulerMachineBase):
     """Lockstep with the model, preempting by recompute."""
 
-    @initialize(**SIZES)
-    def start(self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int) -> None:
-        super().start(gpu_blocks, cpu_blocks, block_size, watermark)
+    @initialize(**SIZES, gpu_blocks=GPU_BLOCKS, watermark=WATERMARKS)
+    def start(
+        self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int, preemption: Preemption | None = None
+    ) -> None:
+        super().start(gpu_blocks, cpu_blocks, block_size, watermark, preemption)
         self.scheduler.spec = model
         self.scheduler.model = model.new_model(self.memory(gpu_blocks), self.memory(cpu_blocks), self.config)
         self.requests: list[Request] = []  # every request accepted, in arrival order
@@ -159,20 +172,28 @@ class SchedulerMachine(SchedulerMachineBase):
             self.requests.append(request)
 
     @rule(
-        data=st.data(), source=st.sampled_from(["new", "earlier prompt", "new", "retry"]), then_steps=st.integers(0, 3)
+        data=st.data(),
+        burst=st.lists(st.sampled_from(["new", "earlier prompt", "new", "retry"]), min_size=1, max_size=3),
+        then_steps=st.integers(0, 3),
     )
-    def arrive_request(self, data: st.DataObject, source: str, then_steps: int) -> None:
-        """A new request, an earlier prompt again, or the last refused call again; then (often) steps.
+    def arrive_request(self, data: st.DataObject, burst: list[str], then_steps: int) -> None:
+        """A burst of arrivals between two iterations -- each a new request, an earlier prompt again, or the
+        last refused call again -- then (often) steps.
 
-        Revisits ride on the arrival rule, which runs in nearly every example (swarm testing disables a rule
-        of its own in many); arrivals step the scheduler because it often disables the step rule.
+        Several arrivals before one step make one step admit several requests, the watermark and the
+        queue order matter within a step.  Revisits ride on the arrival rule, which runs in nearly every
+        example (swarm testing disables a rule of its own in many); arrivals step the scheduler because
+        it often disables the step rule.
         """
-        if source == "retry":
-            self.retry_refused()
-        elif source == "earlier prompt" and self.requests:
-            self.arrive_earlier_prompt(data.draw(st.integers(0, 7), label="earlier"))
-        else:
-            self.arrive(self.draw_request(data))
+        for source in burst:
+            if source == "retry":
+                self.retry_refused()
+            elif source == "earlier prompt" and self.requests:
+                self.arrive_earlier_prompt(data.draw(st.integers(0, 7), label="earlier"))
+            else:
+                self.arrive(self.draw_request(data))
+        if len(burst) > 1:
+            event("a burst of arrivals")
         self.step(then_steps)
 
     @rule(
@@ -225,7 +246,7 @@ class SchedulerMachine(SchedulerMachineBase):
             self.check(invariant_result_matches_spec, answer.expected, answer.actual)
             self.stepped(before, answer.actual)
             expected = model.abstract(self.scheduler.model)
-            self.check(model.invariant_scheduler_refines_spec, self.scheduler.impl.snapshot(), expected)
+            self.check(invariant_scheduler_refines_spec, self.scheduler.impl.snapshot(), expected)
             self.admitted.update(answer.expected.admitted)
             for _, cached in answer.expected.cached_tokens:
                 hits = cached // self.sizes[2]
@@ -248,7 +269,7 @@ class SchedulerMachine(SchedulerMachineBase):
         if hasattr(self, "scheduler"):
             state = self.scheduler.impl.snapshot()
             self.check_state(state)
-            self.check(model.invariant_scheduler_refines_spec, state, model.abstract(self.scheduler.model))
+            self.check(invariant_scheduler_refines_spec, state, model.abstract(self.scheduler.model))
 
 
 class SwapSchedulerMachine(SchedulerMachine):
@@ -269,23 +290,45 @@ class CachedSchedulerMachine(SchedulerMachine):
     """The engine's shape: preemption, abort and re-admission over prefix-caching managers, requests not ready.
 
     Prompts are cuts of three documents with a short tail, so admissions hit; a hit is probed again at every
-    attempt, and every admission's cached tokens must be the spec's.
+    attempt, and every admission's cached tokens must be the spec's.  Preemption is drawn: by recompute (vLLM
+    V1's only way) a victim's prompt blocks wait in the free queue, cached, and its re-admission revives them;
+    by swap it resumes without a probe.  The engine may trim the cache between two attempts (``evict``).
     """
 
-    preemption: ClassVar[Preemption] = "swap"
     caching: ClassVar[bool] = True
     readiness: ClassVar[st.SearchStrategy[bool]] = st.sampled_from([True, True, False])
 
-    @initialize(**{**SIZES, "gpu_blocks": st.integers(4, 10)})
-    def start(self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int) -> None:
-        super().start(gpu_blocks, cpu_blocks, block_size, watermark)
+    @initialize(
+        **SIZES,
+        gpu_blocks=st.integers(4, 10),
+        watermark=st.sampled_from([0, 1, 0, 2]),  # vLLM keeps 1 % of the GPU: no block of a pool this small
+        preemption=st.sampled_from(["recompute", "swap"]),
+    )
+    def start(
+        self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int, preemption: Preemption | None = None
+    ) -> None:
+        super().start(gpu_blocks, cpu_blocks, block_size, watermark, preemption)
+        self.gpu = self.subject("gpu", prefix_cache, self.scheduler.model.gpu, self.scheduler.impl.gpu)
 
     def draw_prompt(self, data: st.DataObject) -> tuple[int, ...]:
         size = self.sizes[2]
         text = data.draw(st.sampled_from(documents(size)), label="document")
-        dropped = data.draw(st.integers(0, len(text) - 1), label="dropped")
+        # half the prompts carry a whole document, as requests behind one system prompt do; the rest a cut
+        kept = data.draw(st.one_of(st.just(len(text)), st.integers(1, len(text))), label="kept")
         tail = data.draw(st.lists(st.integers(0, 9), max_size=size // 2), label="tail")
-        return text[: len(text) - dropped] + tuple(tail)
+        return text[:kept] + tuple(tail)
+
+    @rule(blocks=st.integers(1, 3), then_steps=st.integers(1, 2))
+    def evict(self, blocks: int, then_steps: int) -> None:
+        """The engine trims its GPU cache (vLLM's ``reset_prefix_cache``, SGLang's eviction for other
+        memory): a waiting request's hits, probed at an attempt that found no room, are fewer at the next."""
+        self.gpu.model = self.scheduler.model.gpu
+        if self.gpu("evict", blocks, judged_by=None) is None:
+            return
+        self.scheduler.model = attrs.evolve(self.scheduler.model, gpu=self.gpu.model)
+        if any(g.location == "waiting" for g in self.scheduler.model.groups):
+            event("cache trimmed while a request waits")
+        self.step(then_steps)
 
     @rule(index=st.integers(0, 4), then_steps=st.integers(0, 2))
     def mark_ready(self, index: int, then_steps: int) -> None:

@@ -4,7 +4,7 @@ The machine admits sequences into a few fixed slots with windows of 1-3
 blocks, appends to them (so blocks slide out and are reused at once), frees
 them, and sends out-of-contract calls; the pool's invariants are checked with
 the entries *in windows* as the holders.  An admission or append refused for
-want of blocks is retried after a free.
+want of blocks is retried after a free, and (as often as not) before the next admission or append.
 """
 
 from __future__ import annotations
@@ -45,18 +45,30 @@ class SlidingWindowMachine(LockstepMachine):
         )
         event("blocks slid out of the window" if slid else "window kept every block")
 
-    @rule(seq=SEQS, length=COUNTS)
-    def add_sequence(self, seq: int, length: int) -> None:
+    @rule(seq=SEQS, length=COUNTS, data=st.data())
+    def add_sequence(self, seq: int, length: int, data: st.DataObject) -> None:
+        self.maybe_retry(data)
         self.grow("add_sequence", seq, length)
 
-    @rule(seq=SEQS, n=COUNTS)
-    def append(self, seq: int, n: int) -> None:
+    @rule(seq=SEQS, n=COUNTS, data=st.data())
+    def append(self, seq: int, n: int, data: st.DataObject) -> None:
+        self.maybe_retry(data)
         self.grow("append", seq, n)
 
     @rule(seq=SEQS)
     def free(self, seq: int) -> None:
         """Free a sequence; then retry the admission or append refused last, as a scheduler does."""
-        if self.windows("free", seq) is not None and self.refused is not None:
+        if self.windows("free", seq) is not None:
+            self.retry_refused()
+
+    def maybe_retry(self, data: st.DataObject) -> None:
+        """Drawn inside admission and append, so that swarm testing never turns it off: as often as not, the
+        call refused last again, as a scheduler retries its waiting request first."""
+        if self.refused is not None and data.draw(st.booleans(), label="retry the refused call first"):
+            self.retry_refused()
+
+    def retry_refused(self) -> None:
+        if self.refused is not None:
             (operation, refused_seq, n), self.refused = self.refused, None
             event("revisit: retried a rejected call")
             self.grow(operation, refused_seq, n)

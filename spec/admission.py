@@ -1,30 +1,32 @@
-"""Layer 4, admission as engines run it: cache hits, requests not ready, priorities and grants.
+"""Layer 4, the admission phase as engines run it: cache hits, requests not ready, the watermark, queue order.
 
-``kvspec.spec.scheduler`` states the rules and runs them; this module states
-what must hold of them, where the scheduler meets the prefix cache and where
-it meets the world outside memory.
+Rules (the records are ``kvspec.spec.scheduler``'s, the decode phase before
+admission is ``kvspec.spec.preemption``'s):
 
-Rules (from ``kvspec.spec.scheduler``):
-
+* After the decode phase, the groups that are not running are taken in rank
+  order -- under ``fcfs`` swapped groups resume before new admissions because
+  they arrived earlier -- and each is swapped in, or prefilled (prompt, fork
+  into ``n`` samples, then each sample's generated tokens again if it was
+  recomputed), while it fits (``admissible``): the GPU keeps ``watermark``
+  blocks free after the admission unless nothing is running.  Admission stops
+  at the first ready group that does not fit and at a group preempted in this
+  very step: nobody overtakes.
 * **Hits are probed at every attempt.**  A waiting request's hit length is
   what the cache holds *now*: between two attempts the cache may have lost
   blocks (evicted to make room) or gained them (another request finished).
   A hit lowers the request's demand once; a hit block sitting in the free
   queue is counted there as free, and admission takes it out of the queue, so
-  it counts as demand again (``scheduler.prefill_demand``).
+  it counts as demand again (``prefill_demand``).  The report names the
+  tokens each admission took from the cache.
 * **Not ready is not blocked.**  A request waiting on remote KV, a grammar or
   an adapter slot is passed over by admission and keeps its place: the ready
   requests behind it are admitted as if it were not there, and when it
   becomes ready (``mark_ready``) it goes before every later arrival.
-* **Grants go with the group.**  Each step grants every running group its
-  decode tokens, in arrival order; a group that does not fit preempts the
-  lowest-ranked running group -- under the priority policy one that may have
-  arrived first and hold its grant already.  The victim gives its grant
-  back: its KV is being freed or moved, and a grant it keeps runs the model
-  over blocks that are no longer its own.
 
 Invariants (tier in brackets):
 
+* ``invariant_admission_in_arrival_order`` [convention] -- no group is admitted or resumed
+  ahead of an earlier-arrived (under ``priority``: higher-ranked) ready one still waiting or swapped.
 * ``invariant_hits_probed_at_admission`` [safety] -- each admission reports the
   tokens the cache held for its prompt at that moment, as the spec's cache does.
 * ``invariant_watermark_kept`` [safety] -- after an admission onto a busy GPU,
@@ -33,24 +35,56 @@ Invariants (tier in brackets):
   holds blocks.
 * ``invariant_admission_stops_only_when_short`` [convention] -- admission stops
   only at a ready request that does not fit, or one preempted in this step.
-* ``invariant_preempted_keeps_no_grant`` [safety] -- no request is both
-  preempted and granted tokens in one step.
-* ``invariant_victims_rank_below_survivors`` [convention] -- every victim ranks
-  below every request that kept its grant.
 """
 
 from __future__ import annotations
 
 from kvspec.spec.invariants import invariant
-from kvspec.spec.scheduler import (
-    DEVICE_OF,
-    Group,
-    SchedulerState,
-    StepReport,
-    admissible,
-    group_blocks,
-    rank,
+from kvspec.spec.scheduler import DEVICE_OF, Group, Request, SchedulerState, StepReport, group_blocks, rank
+
+
+def prefill_demand(request: Request, generated: int, block_size: int, hits: int, revived: int) -> int:
+    """Blocks a prefill admission takes: its blocks less its ``hits``, plus the ``revived`` hits.
+
+    A hit is counted once: it lowers the demand.  A hit whose block sits in the
+    free queue is also counted there as free, and admission takes it out: so it
+    is demand again, or the supply would count it a second time.
+    """
+    return group_blocks(len(request.prompt), generated, request.n, block_size) - hits + revived
+
+
+def admissible(need: int, free: int, watermark: int, gpu_idle: bool) -> bool:
+    return need <= free if gpu_idle else need + watermark <= free
+
+
+@invariant(
+    "first come, first served: overtaking starves large requests and breaks the deadlock-freedom argument",
+    "convention",
 )
+def invariant_admission_in_arrival_order(after: SchedulerState, report: StepReport) -> str | None:
+    """Arrival order within the policy's rank (``rank``): under ``fcfs``, arrival order itself.
+
+    The queue itself -- the unfinished groups, as the snapshot lists them -- stays in arrival order: a
+    request passed over (not ready, say) keeps its place.
+    """
+    for i, group in enumerate(after.groups):
+        later = [g.request.request_id for g in after.groups[:i] if g.arrival > group.arrival]
+        if later:
+            return (
+                f"request {group.request.request_id!r} lost its place: it is queued behind later request {later[0]!r}"
+            )
+    ranks = {g.request.request_id: rank(g, after.config.policy) for g in after.groups}
+    order = [ranks[rid] for rid in report.admitted]
+    if order != sorted(order):
+        return f"admitted {list(report.admitted)} out of {after.config.policy} order"
+    passed_over = sorted(
+        rank(g, after.config.policy) + (g.request.request_id,)
+        for g in after.groups
+        if g.ready and g.location != "running"
+    )
+    if order and passed_over and passed_over[0][:2] < order[-1]:
+        return f"admitted {report.admitted[-1]!r} ahead of request {passed_over[0][2]!r}, still {after.config.policy}-earlier and ready"
+    return None
 
 
 @invariant(
@@ -119,29 +153,4 @@ def invariant_admission_stops_only_when_short(after: SchedulerState, report: Ste
     idle = not any(g.location == "running" for g in after.groups)
     if admissible(need, free, after.config.watermark, idle):
         return f"request {first.request.request_id!r} needs at most {need} blocks, {free} are free, yet it waits"
-    return None
-
-
-@invariant(
-    "a preempted request's KV is being freed or moved: a grant it keeps runs the model over blocks no longer its own",
-    "safety",
-)
-def invariant_preempted_keeps_no_grant(report: StepReport) -> str | None:
-    kept = sorted({rid for rid, _ in report.preempted} & {rid for rid, _ in report.granted})
-    if kept:
-        return f"requests {kept} were preempted and keep their grants in the same step"
-    return None
-
-
-@invariant(
-    "the policy decides who gives way: preempting a request that ranks above one kept serves the wrong one first",
-    "convention",
-)
-def invariant_victims_rank_below_survivors(before: SchedulerState, report: StepReport) -> str | None:
-    ranks = {g.request.request_id: rank(g, before.config.policy) for g in before.groups}
-    granted = [rid for rid, _ in report.granted]
-    for victim, _ in report.preempted:
-        above = [rid for rid in granted if ranks[rid] > ranks[victim]]
-        if above:
-            return f"preempted request {victim!r} (rank {ranks[victim]}) and kept {above[0]!r} (rank {ranks[above[0]]})"
     return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.broken import caught_by
@@ -84,6 +84,43 @@ class AppendNotAtomic(BlockManager):
         """No check: ``_write`` raises part-way instead."""
 
 
+class SkipsInDeviceBlocks(BlockManager):
+    """The partial swap-in's offset into a tier block counts device blocks where tokens were meant."""
+
+    def _load_plan(
+        self, resident: int, factor: int, tiers: list[tuple[Hashable, int]]
+    ) -> list[tuple[int, Hashable, int]]:
+        plan = super()._load_plan(resident, factor, tiers)
+        return [(index, key, offset // self.block_size) for index, key, offset in plan]
+
+
+class LoadsOverResidentPrefix(BlockManager):
+    """The partial swap-in skips the resident part of the first tier block when it reads it, but writes from that
+    tier block's first device block on: the suffix lands over the resident prefix."""
+
+    def _load_plan(
+        self, resident: int, factor: int, tiers: list[tuple[Hashable, int]]
+    ) -> list[tuple[int, Hashable, int]]:
+        plan = super()._load_plan(resident, factor, tiers)
+        return [(index - resident % factor, key, offset) for index, key, offset in plan]
+
+
+class SkipsEveryResidentBlock(BlockManager):
+    """The partial swap-in skips as many device blocks of the first tier block as the sequence has resident in
+    all, where only those inside that tier block were meant: the rest of that tier block never comes back."""
+
+    def _load_plan(
+        self, resident: int, factor: int, tiers: list[tuple[Hashable, int]]
+    ) -> list[tuple[int, Hashable, int]]:
+        first = tiers[0][0]
+        kept = [
+            (k, o)
+            for _, k, o in super()._load_plan(resident, factor, tiers)
+            if k != first or o >= resident * self.block_size
+        ]
+        return [(resident + n, key, offset) for n, (key, offset) in enumerate(kept)]
+
+
 def _with_manager(name: str, manager: type[BlockManager]) -> Implementation:
     return Implementation(name=name, block_manager=manager)
 
@@ -129,3 +166,18 @@ def copies_on_fork() -> Implementation:
 @caught_by(spec.invariant_read_back_exact, "block manager")
 def keeps_prompt_buffer() -> Implementation:
     return _with_manager("broken: keeps an alias of the caller's prompt list", KeepsPromptBuffer)
+
+
+@caught_by(spec.invariant_tier_blocks_cover_loaded_blocks, "tiered swap (partial swap-in)")
+def skips_in_device_blocks() -> Implementation:
+    return _with_manager("broken: a tier block's offset counted in device blocks", SkipsInDeviceBlocks)
+
+
+@caught_by(spec.invariant_load_lands_after_resident_prefix, "tiered swap (partial swap-in)")
+def loads_over_resident_prefix() -> Implementation:
+    return _with_manager("broken: the suffix loads over the resident prefix", LoadsOverResidentPrefix)
+
+
+@caught_by(spec.invariant_swap_round_trip_exact, "tiered swap (partial swap-in)")
+def skips_every_resident_block() -> Implementation:
+    return _with_manager("broken: skips every resident block in the first tier block", SkipsEveryResidentBlock)

@@ -1,4 +1,4 @@
-"""Broken schedulers: each breaks a rule of ``kvspec.spec.scheduler`` and declares what catches it."""
+"""Broken schedulers: each breaks a rule of layer 4 (``kvspec.spec.scheduler`` and the modules it names)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from typing import Any
 from kvspec.impl import reference
 from kvspec.impl.broken import caught_by
 from kvspec.impl.scheduler import Entry, Probe, Scheduler, Tally
-from kvspec.spec import admission
+from kvspec.spec import admission, preemption
 from kvspec.spec import scheduler as spec
+from kvspec.spec.admission import admissible
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import invariant_failed_operation_changes_nothing, invariant_out_of_contract_call_rejected
-from kvspec.spec.scheduler import Request, admissible
+from kvspec.spec.scheduler import Request
 
 
 class PreemptsOldest(Scheduler):
@@ -151,22 +152,22 @@ def _with_scheduler(name: str, scheduler: type[Scheduler]) -> Implementation:
 
 
 @caught_by(spec.invariant_scheduler_refines_spec, "scheduler (recompute)")
-@caught_by(spec.invariant_oldest_never_preempted, "scheduler (recompute)")
+@caught_by(preemption.invariant_oldest_never_preempted, "scheduler (recompute)")
 def preempts_oldest() -> Implementation:
     return _with_scheduler("scheduler that preempts the oldest", PreemptsOldest)
 
 
-@caught_by(spec.invariant_group_on_one_device, "scheduler (swap)")
+@caught_by(preemption.invariant_group_on_one_device, "scheduler (swap)")
 def swaps_part_of_group() -> Implementation:
     return _with_scheduler("scheduler that swaps part of a group", SwapsPartOfGroup)
 
 
-@caught_by(spec.invariant_no_leak_across_preemption, "scheduler (recompute)")
+@caught_by(preemption.invariant_no_leak_across_preemption, "scheduler (recompute)")
 def forgets_to_free_on_recompute() -> Implementation:
     return _with_scheduler("scheduler that forgets to free on recompute", ForgetsToFreeOnRecompute)
 
 
-@caught_by(spec.invariant_admission_in_arrival_order, "scheduler (recompute)")
+@caught_by(admission.invariant_admission_in_arrival_order, "scheduler (recompute)")
 def admits_out_of_order() -> Implementation:
     return _with_scheduler("scheduler that admits out of order", AdmitsOutOfOrder)
 
@@ -176,7 +177,7 @@ def waits_forever_on_too_large() -> Implementation:
     return _with_scheduler("scheduler that queues requests that can never fit", WaitsForeverOnTooLarge)
 
 
-@caught_by(spec.invariant_finishes_within_bound, "scheduler deadlock freedom")
+@caught_by(preemption.invariant_finishes_within_bound, "scheduler deadlock freedom")
 def never_preempts() -> Implementation:
     return _with_scheduler("scheduler without preemption", NeverPreempts)
 
@@ -186,8 +187,8 @@ def remembers_hit_length() -> Implementation:
     return _with_scheduler("scheduler that remembers hit lengths across admission attempts", RemembersHitLength)
 
 
-@caught_by(invariant_failed_operation_changes_nothing, "scheduler (priority)")
-@caught_by(admission.invariant_watermark_kept, "scheduler (priority)")
+@caught_by(invariant_failed_operation_changes_nothing, "scheduler over the prefix cache")
+@caught_by(admission.invariant_watermark_kept, "scheduler over the prefix cache")
 def counts_hits_twice() -> Implementation:
     return _with_scheduler("scheduler that counts hits in both demand and supply", CountsHitsTwice)
 
@@ -207,16 +208,16 @@ def not_ready_blocks_queue() -> Implementation:
     return _with_scheduler("scheduler whose queue a request not ready blocks", NotReadyBlocksQueue)
 
 
-@caught_by(spec.invariant_admission_in_arrival_order, "scheduler over the prefix cache")
+@caught_by(admission.invariant_admission_in_arrival_order, "scheduler over the prefix cache")
 def not_ready_loses_place() -> Implementation:
     return _with_scheduler("scheduler that sends a request not ready to the back", NotReadyLosesPlace)
 
 
-@caught_by(admission.invariant_preempted_keeps_no_grant, "scheduler (priority)")
+@caught_by(preemption.invariant_preempted_keeps_no_grant, "scheduler (priority)")
 def keeps_grant_of_victim() -> Implementation:
     return _with_scheduler("scheduler whose victims keep their grants", KeepsGrantOfVictim)
 
 
-@caught_by(admission.invariant_victims_rank_below_survivors, "scheduler (priority)")
+@caught_by(preemption.invariant_victims_rank_below_survivors, "scheduler (priority)")
 def preempts_latest_arrival() -> Implementation:
     return _with_scheduler("priority scheduler that preempts the latest arrival", PreemptsLatestArrival)
