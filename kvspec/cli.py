@@ -94,7 +94,9 @@ ENGINES_HEADER = """# Engines under kvspec
 Written by `kvspec engines MODULE:FACTORY ...`; do not edit by hand.  Each
 section is one implementation's verdict (`kvspec check --markdown`): its
 declared conventions, then per tier every invariant -- violated, held, or
-not reached -- and every distinct finding with its shrunk operation sequence.
+not reached -- and every distinct finding with its shrunk operation sequence
+and, for a caller-contract finding, one line on what it means in production
+(the adapter's `IN_PRODUCTION`).
 
 """
 
