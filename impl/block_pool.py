@@ -140,12 +140,13 @@ class BlockPool:
                     self._forget(block)
                 refcounts[block] = 1
             return blocks
-        blocks = [free.pop() for _ in range(n)]
+        pop, uses = free.pop, self._uses
+        blocks = [pop() for _ in range(n)]
         for block in blocks:
             if hashes[block] is not None:
                 self._forget(block)
             refcounts[block] = 1
-            self._uses[block] = 1
+            uses[block] = 1
         return blocks
 
     def share(self, blocks: Sequence[int]) -> None:
@@ -175,14 +176,19 @@ class BlockPool:
                         f"block {block} released {times} time(s) but holds {refcounts[block]} reference(s)"
                     )
         lru = self._lru
+        if lru is not None:
+            for block in blocks:
+                count = refcounts[block] - 1
+                refcounts[block] = count
+                if count == 0:
+                    lru[block] = None
+            return
+        push, uses = self._free.push, self._uses
         for block in blocks:
             count = refcounts[block] - 1
             refcounts[block] = count
             if count == 0:
-                if lru is not None:
-                    lru[block] = None
-                else:
-                    self._free.push(block, self._uses[block])
+                push(block, uses[block])
 
     def register(self, block: int, block_hash: Hashable) -> bool:
         if type(block) is not int or not 0 <= block < self._capacity:
