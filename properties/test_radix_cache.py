@@ -56,6 +56,7 @@ class RadixCacheMachine(LockstepMachine):
         self.prompts: list[tuple[list[int], int]] = []  # each request's prompt, with the evictions before it
         self.evicted = 0  # tokens evicted so far
         self.refused: tuple[str, list[int]] | None = None  # the lock or unlock refused last
+        self.inserted: list[tuple[list[int], int]] = []  # each key inserted alone, with the evictions before it
 
     # -- the radix cache against its model ---------------------------------------------
 
@@ -67,6 +68,7 @@ class RadixCacheMachine(LockstepMachine):
     @rule(key=KEYS, corrupt=st.integers(0, 9).map(lambda n: n == 0), data=st.data())
     def insert(self, key: list[int], corrupt: bool, data: st.DataObject) -> None:
         self.revisit(data)
+        self.inserted.append((key, self.evicted))
         self.radix("insert", key, self.values_for(key, corrupt), *self.namespace(self.extra_key))
 
     @rule(extra_key=EXTRA_KEYS)
@@ -88,19 +90,20 @@ class RadixCacheMachine(LockstepMachine):
 
     def revisit(self, data: st.DataObject) -> None:
         """Drawn inside the common rules, so that swarm testing never turns it off: as often as not, the lock or
-        unlock refused last again; as often, an earlier request's prompt met again -- matched and cached."""
+        unlock refused last again; as often, an earlier request's prompt or inserted key met again -- matched
+        and cached."""
         if self.refused is not None and data.draw(st.booleans(), label="retry the refused call first"):
             (operation, key), self.refused = self.refused, None
             event("revisit: retried a rejected call")
             if self.radix(operation, key, *self.namespace(self.extra_key)) is None:
                 self.refused = (operation, key)
-        if self.prompts and data.draw(st.booleans(), label="an earlier prompt again"):
-            key = self.earlier_prompt(data)
+        if self.prompts + self.inserted and data.draw(st.booleans(), label="an earlier prompt again"):
+            key = self.earlier_prompt(data, self.prompts + self.inserted)
             self.match(key)
             self.radix("insert", key, self.values_for(key, corrupt=False), *self.namespace(self.extra_key))
 
-    def earlier_prompt(self, data: st.DataObject) -> list[int]:
-        key, evicted_then = data.draw(st.sampled_from(self.prompts), label="earlier prompt")
+    def earlier_prompt(self, data: st.DataObject, earlier: list[tuple[list[int], int]]) -> list[int]:
+        key, evicted_then = data.draw(st.sampled_from(earlier), label="earlier prompt")
         event("revisit: re-admitted an earlier prompt")
         if evicted_then < self.evicted:
             event("revisit: replayed a prompt after eviction")
@@ -134,7 +137,7 @@ class RadixCacheMachine(LockstepMachine):
         as not the prompt is an earlier request's, met again after the tree changed.  A prompt is whole pages."""
         key += [0] * (-len(key) % self.conventions.radix.page_size)
         if self.prompts and data.draw(st.booleans(), label="an earlier prompt"):
-            key = self.earlier_prompt(data)
+            key = self.earlier_prompt(data, self.prompts)
         self.prompts.append((key, self.evicted))
         matched = self.match(key)
         over_budget = len(self.radix.model.values) + len(key) - matched - CACHE_BUDGET

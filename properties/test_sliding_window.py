@@ -4,7 +4,7 @@ The machine admits sequences into a few fixed slots with windows of 1-3
 blocks, appends to them (so blocks slide out and are reused at once), frees
 them, and sends out-of-contract calls; the pool's invariants are checked with
 the entries *in windows* as the holders.  An admission or append refused for
-want of blocks is retried after a free, and (as often as not) before the next admission or append.
+want of blocks is retried after a free, and (as often as not) after the next admission or append.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ class SlidingWindowMachine(LockstepMachine):
 
     @rule(seq=SEQS, length=COUNTS, data=st.data())
     def add_sequence(self, seq: int, length: int, data: st.DataObject) -> None:
-        self.maybe_retry(data)
         self.grow("add_sequence", seq, length)
+        self.maybe_retry(data)
 
     @rule(seq=SEQS, n=COUNTS, data=st.data())
     def append(self, seq: int, n: int, data: st.DataObject) -> None:
-        self.maybe_retry(data)
         self.grow("append", seq, n)
+        self.maybe_retry(data)
 
     @rule(seq=SEQS)
     def free(self, seq: int) -> None:
@@ -63,7 +63,7 @@ class SlidingWindowMachine(LockstepMachine):
 
     def maybe_retry(self, data: st.DataObject) -> None:
         """Drawn inside admission and append, so that swarm testing never turns it off: as often as not, the
-        call refused last again, as a scheduler retries its waiting request first."""
+        call refused last again, as a scheduler retries its waiting request at the next step."""
         if self.refused is not None and data.draw(st.booleans(), label="retry the refused call first"):
             self.retry_refused()
 

@@ -99,8 +99,10 @@ class TieredSwapMachine(LockstepMachine):
 
     @rule(slot=SLOTS, tokens=st.lists(TOKENS, max_size=4))
     def append(self, slot: int, tokens: list[int]) -> None:
+        """To the nearest running sequence; with none, to ``slot`` (refused) unless it is swapped out."""
         seq = self.nearest(self.running(), slot)
-        self.write("append", slot if seq is None else seq, tokens)
+        if seq is not None or slot not in self.swapped:
+            self.write("append", slot if seq is None else seq, tokens)
 
     @rule(parent=SLOTS, child=SLOTS)
     def fork(self, parent: int, child: int) -> None:
