@@ -10,6 +10,7 @@ from kvspec.impl.kv_store import KVStore
 from kvspec.impl.paged_kv import ContiguousKVCache, PagedKVCache
 from kvspec.impl.prefix_caching import PrefixCachingBlockManager
 from kvspec.impl.radix_cache import RadixCache
+from kvspec.impl.radix_pages import RadixPageManager
 from kvspec.impl.scheduler import Scheduler
 from kvspec.impl.sliding_window import SlidingWindowManager
 from kvspec.impl.tiny_model import ModelConfig, TinyModel
@@ -32,4 +33,5 @@ def reference() -> Implementation:
         scheduler=Scheduler,
         kv_store=KVStore,
         sliding_window_manager=SlidingWindowManager,
+        radix_page_manager=RadixPageManager,
     )

@@ -21,6 +21,7 @@ MACHINES: tuple[tuple[str, str], ...] = (
     ("radix cache", "kvspec.properties.test_radix_cache:RadixCacheMachine"),
     ("sliding-window tables", "kvspec.properties.test_sliding_window:SlidingWindowMachine"),
     ("radix = chained hash", "kvspec.properties.test_radix_cache:RadixAgreesWithChainedHashMachine"),
+    ("radix pages (SGLang's page manager)", "kvspec.properties.test_radix_pages:RadixPagesMachine"),
     ("paged attention logits", "kvspec.properties.test_paged_attention:PagedAttentionMachine"),
     (
         "paged attention: hits, swap, recompute",
@@ -31,6 +32,7 @@ MACHINES: tuple[tuple[str, str], ...] = (
     ("scheduler deadlock freedom", "kvspec.properties.test_scheduler:DeadlockFreedomMachine"),
     ("scheduler over the prefix cache", "kvspec.properties.test_scheduler:CachedSchedulerMachine"),
     ("scheduler (priority)", "kvspec.properties.test_scheduler:PrioritySchedulerMachine"),
+    ("scheduler: paged = contiguous logits", "kvspec.properties.test_scheduler_logits:PagedLogitsSchedulerMachine"),
     ("contiguous allocators", "kvspec.properties.test_contiguous:ContiguousMachine"),
     ("contiguous allocators (A100, 12,596 slots)", "kvspec.properties.test_contiguous:A100ContiguousMachine"),
     ("tiered KV store (node faults)", "kvspec.properties.test_kv_store:KVStoreMachine"),

@@ -73,12 +73,8 @@ class SchedulerMachineBase(LockstepMachine):
         preemption = preemption or self.preemption
         self.config = SchedulerConfig(preemption=preemption, watermark=watermark, policy=self.policy)
         self.record(f"scheduler(gpu_blocks={gpu_blocks}, cpu_blocks={cpu_blocks}, B={block_size}, {self.config})")
-        impl = self.implementation
-        manager = impl.prefix_caching_manager if self.caching else impl.block_manager
-        scheduler = impl.scheduler(
-            manager(impl.block_pool(gpu_blocks, "lru"), block_size),
-            manager(impl.block_pool(cpu_blocks, "lru"), block_size),
-            self.config,
+        scheduler = self.implementation.scheduler(
+            self.device(gpu_blocks, block_size), self.device(cpu_blocks, block_size), self.config
         )
         self.scheduler = self.subject("scheduler", None, None, scheduler)
         self.sizes = (gpu_blocks, cpu_blocks, block_size)
@@ -87,6 +83,12 @@ class SchedulerMachineBase(LockstepMachine):
         self.longest = 0  # the largest max_new_tokens accepted so far: M of the deadline
         self.preemptions: Counter[Preemption] = Counter()
         self.bounded = self.policy == "fcfs"  # the deadline holds under fcfs while every request arrives ready
+
+    def device(self, capacity: int, block_size: int) -> Any:
+        """One device's block manager, as the scheduler under test gets it."""
+        impl = self.implementation
+        manager = impl.prefix_caching_manager if self.caching else impl.block_manager
+        return manager(impl.block_pool(capacity, "lru"), block_size)
 
     def draw_prompt(self, data: st.DataObject) -> tuple[int, ...]:
         prompt_len = data.draw(st.integers(1, 2 * self.sizes[2]), label="prompt_len")

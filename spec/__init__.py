@@ -8,6 +8,7 @@ Read in this order:
 * ``kvspec.spec.block_manager`` -- layer 2: block tables, fork, copy-on-write, swap moves.
 * ``kvspec.spec.prefix_cache`` -- layer 3: chained block hashes and prefix-aware admission.
 * ``kvspec.spec.radix_cache`` -- layer 3, second form: RadixAttention and its agreement with the hashes.
+* ``kvspec.spec.radix_pages`` -- layer 3, over pages: SGLang's page pool under a radix cache, a request's life.
 * ``kvspec.spec.scheduler`` -- layer 4: requests, sequence groups, the protocol, the rules over memory.
 * ``kvspec.spec.preemption`` -- layer 4, the decode phase: grants, swap or recompute, deadlock bound.
 * ``kvspec.spec.admission`` -- layer 4, the admission phase: cache hits, requests not ready, priorities.

@@ -53,6 +53,7 @@ class Implementation:
     )
     kv_store: Callable[..., Any] | None = None  # kv_store(nodes, capacities, policies): see spec.kv_store
     sliding_window_manager: Callable[..., Any] | None = None  # (pool, block_size, window): see spec.sliding_window
+    radix_page_manager: Callable[..., Any] | None = None  # (num_pages, page_size): see spec.radix_pages
 
     borrowed: frozenset[str] = frozenset()  # the components complete_with took from the reference
 

@@ -57,6 +57,7 @@ def _with_cache(name: str, cache: type[PagedKVCache]) -> Implementation:
     return attrs.evolve(reference(), name=name, paged_kv_cache=cache)
 
 
+@caught_by(invariant_paged_equals_contiguous, "scheduler: paged = contiguous logits")
 @caught_by(invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute")
 @caught_by(invariant_paged_equals_contiguous, "paged attention logits")
 def cow_skips_kv_copy() -> Implementation:
@@ -89,6 +90,7 @@ class SwapPairsSortedBlocks(PagedKVCache):
         return mapping
 
 
+@caught_by(invariant_paged_equals_contiguous, "scheduler: paged = contiguous logits")
 @caught_by(invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute")
 def swap_pairs_sorted_blocks() -> Implementation:
     return _with_cache("broken: swap pairs sorted source and destination blocks", SwapPairsSortedBlocks)

@@ -1,0 +1,107 @@
+"""Broken page managers: each breaks a rule of ``kvspec.spec.radix_pages`` as an engine could ship it.
+
+Every factory returns an ``Implementation`` whose page manager is a small
+subclass of the reference.
+"""
+
+from __future__ import annotations
+
+from kvspec.impl.broken import caught_by
+from kvspec.impl.radix_cache import RadixCache
+from kvspec.impl.radix_pages import RadixPageManager
+from kvspec.spec import radix_pages as spec
+from kvspec.spec.implementation import Implementation
+from kvspec.spec.radix_pages import RequestId
+
+MACHINE = "radix pages (SGLang's page manager)"
+
+
+class RelocksWhatItCaches(RadixPageManager):
+    """A request that leaves with its KV cached goes through SGLang's ``cache_unfinished_req`` path: the lock
+    moves to the newly inserted pages, as for a request that runs on -- but this one was preempted or
+    finished early, and nobody releases that lock."""
+
+    def release(self, request_id: RequestId, keep: bool) -> None:
+        held = self._requests.get(request_id)
+        super().release(request_id, keep)
+        if held is not None and keep is True and len(held.tokens) >= self._page_size:
+            self._cache.lock(held.tokens[: len(held.tokens) - len(held.tokens) % self._page_size])
+
+
+class RetractKeepsLock(RadixPageManager):
+    """A request dropped -- aborted, or retracted for decode memory -- frees its pages but skips
+    ``dec_lock_ref`` on its matched prefix, which stays protected for good."""
+
+    def release(self, request_id: RequestId, keep: bool) -> None:
+        held = self._requests.get(request_id)
+        super().release(request_id, keep)
+        if held is not None and keep is False and held.cached:
+            self._cache.lock(held.tokens[: held.cached])
+
+
+class FreesLastFullPage(RadixPageManager):
+    """The partial last page is found as "the page of the last token": when the request ends on a page
+    boundary that page is whole, was just inserted into the cache, and goes back to the pool anyway."""
+
+    def release(self, request_id: RequestId, keep: bool) -> None:
+        held = self._requests.get(request_id)
+        super().release(request_id, keep)
+        if held is not None and keep is True and len(held.tokens) % self._page_size == 0:
+            self._return(held.slots[-1:])
+
+
+class TrimsTokens(RadixCache):
+    """Eviction trims a leaf by the tokens still wanted, as a tree of page size 1 would."""
+
+    def evict(self, num_tokens: int) -> tuple[int, ...]:
+        page_size, self._page_size = self._page_size, 1
+        try:
+            return super().evict(num_tokens)
+        finally:
+            self._page_size = page_size
+
+
+class FreesPartialPages(RadixPageManager):
+    """The tree's eviction ignores the page size; the manager returns the page of every evicted slot, and some
+    of those pages still hold cached tokens."""
+
+    radix_cache = TrimsTokens
+
+
+class EvictsBeforeFree(RadixPageManager):
+    """Makes room by evicting as many pages as it needs even while free pages would do: no page is lost, but
+    the cache empties early and later requests miss what the model of its declared conventions still holds."""
+
+    def _take(self, count: int) -> list[int]:
+        self._return(self._cache.evict(count * self._page_size))
+        return super()._take(count)
+
+
+def broken(name: str, manager: type[RadixPageManager]) -> Implementation:
+    return Implementation(name=name, radix_page_manager=manager)
+
+
+@caught_by(spec.invariant_pages_quiescent, MACHINE)
+def relocks_what_it_caches() -> Implementation:
+    return broken("keeps a lock on what a leaving request cached", RelocksWhatItCaches)
+
+
+@caught_by(spec.invariant_pages_quiescent, MACHINE)
+def retract_keeps_lock() -> Implementation:
+    return broken("keeps the lock of a dropped request", RetractKeepsLock)
+
+
+@caught_by(spec.invariant_pages_conserved, MACHINE)
+@caught_by(spec.invariant_pages_single_owner, MACHINE)
+def frees_last_full_page() -> Implementation:
+    return broken("frees a cached last page", FreesLastFullPage)
+
+
+@caught_by(spec.invariant_pages_evicted_whole, MACHINE)
+def frees_partial_pages() -> Implementation:
+    return broken("evicts partial pages", FreesPartialPages)
+
+
+@caught_by(spec.invariant_pages_refine_spec, MACHINE)
+def evicts_before_free() -> Implementation:
+    return broken("evicts while pages are free", EvictsBeforeFree)
