@@ -30,7 +30,7 @@ import numpy as np
 
 from kvspec.experiments import serving
 from kvspec.impl.contiguous import ContiguousAllocator
-from kvspec.report import emit_json, progress, table
+from kvspec.report import emit_json, progress, pyplot, table
 from kvspec.spec.contiguous import region_size
 from kvspec.spec.errors import KVSpecError, verdict
 
@@ -181,12 +181,8 @@ def run(count: int = 1000, seed: int = 0) -> dict[str, Any]:
 
 def plot(ledger: dict[str, dict[str, dict[str, float]]], path: Path) -> bool:
     """Stacked bars: the memory-bound ledger of each policy."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     figure, axes = plt.subplots(figsize=(6, 4))
     policies = list(ledger)

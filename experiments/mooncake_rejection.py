@@ -53,7 +53,7 @@ import numpy as np
 from kvspec.experiments import trace as traces
 from kvspec.experiments.mooncake_conductor import within
 from kvspec.experiments.prefix_cache import PrefillModel
-from kvspec.report import table
+from kvspec.report import pyplot, table
 
 MODEL = PrefillModel()
 PREFILLS, DECODES, SLOTS, TOKEN_S, TTFT_SLO_S = 8, 8, 32, 0.05, 5.0
@@ -299,12 +299,8 @@ def print_lecture_verdicts(rows: list[dict[str, Any]]) -> None:
 
 
 def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     runs = results["lecture"]
     figure, axes = plt.subplots(len(runs), 1, figsize=(8, 2.2 * len(runs)), sharex=True)

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvspec.impl import reference
-from kvspec.report import emit_json, progress, table
+from kvspec.report import emit_json, progress, pyplot, table
 from kvspec.spec.contiguous import ContiguousAllocator, Ledger, Placement, Reservation, reserved_slots
 from kvspec.spec.errors import OutOfBlocks
 from kvspec.spec.implementation import Implementation
@@ -386,12 +386,8 @@ def run(
 
 
 def plot(curves: list[dict[str, Any]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     figure, axes = plt.subplots(figsize=(6, 4))
     for policy in POLICIES:

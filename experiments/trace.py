@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 
 from kvspec.impl.block_pool import BlockPool
-from kvspec.report import emit_json, progress, table
+from kvspec.report import emit_json, progress, pyplot, table
 from kvspec.spec.block_pool import POLICIES, Policy
 
 DATA = Path(__file__).parent / "data"
@@ -136,12 +136,8 @@ def sweep(paths: Sequence[str], capacities: Sequence[int | None], policies: Sequ
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     figure, axes = plt.subplots(figsize=(6, 4))
     for key in sorted({(r["trace"], r["policy"]) for r in rows}):

@@ -1,4 +1,4 @@
-"""Printing for the command line: aligned tables, ``--json`` output, progress on stderr."""
+"""Printing for the command line: aligned tables, ``--json`` output, progress on stderr, plots."""
 
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], title: str | No
     out += [line(headers), line(["-" * w for w in widths])]
     out += [line(r) for r in cells]
     return "\n".join(s.rstrip() for s in out)
+
+
+def pyplot() -> Any | None:
+    """matplotlib's pyplot drawing to files (the ``plots`` extra), or None when it is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot
+
+    return matplotlib.pyplot
 
 
 def emit_json(payload: Any) -> None:
