@@ -133,20 +133,20 @@ class BlockPool:
                     self._forget(block)
                 refcounts[block] = 1
                 return [block]
-            blocks = [*itertools.islice(lru, n)]
+            popitem = lru.popitem
+            blocks = [popitem(False)[0] for _ in range(n)]
+        else:
+            pop, uses = free.pop, self._uses
+            blocks = [pop() for _ in range(n)]
             for block in blocks:
-                del lru[block]
-                if hashes[block] is not None:
-                    self._forget(block)
-                refcounts[block] = 1
-            return blocks
-        pop, uses = free.pop, self._uses
-        blocks = [pop() for _ in range(n)]
+                uses[block] = 1
+        cached = self._cached
         for block in blocks:
-            if hashes[block] is not None:
-                self._forget(block)
+            block_hash = hashes[block]
+            if block_hash is not None:  # handing out a cached block evicts it
+                del cached[block_hash]
+                hashes[block] = None
             refcounts[block] = 1
-            uses[block] = 1
         return blocks
 
     def share(self, blocks: Sequence[int]) -> None:
