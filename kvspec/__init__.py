@@ -6,7 +6,10 @@ conformance verdict that ``kvspec check`` prints (``kvspec.conformance``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and readers; at run time, __getattr__ below
+    from kvspec.conformance import Verdict, run_conformance
 
 __all__ = ["run_conformance", "Verdict"]
 
