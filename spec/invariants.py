@@ -69,9 +69,7 @@ class Invariant:
 REGISTRY: dict[str, Invariant] = {}
 
 
-def invariant(
-    why: str, tier: Tier = "safety", *, fails_only_with: str = ""
-) -> Callable[[Callable[..., str | None]], Invariant]:
+def invariant(why: str, tier: Tier, *, fails_only_with: str = "") -> Callable[[Callable[..., str | None]], Invariant]:
     """Declare the predicate as an invariant of its module's layer; the name is the function's."""
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}; choose from {TIERS}")

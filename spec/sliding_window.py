@@ -151,7 +151,9 @@ def block_table(windows: Windows, seq: SeqId) -> Table:
     return _live(windows, seq)
 
 
-@invariant("a block still in the window is read by attention; one kept outside it is memory the window promised back")
+@invariant(
+    "a block still in the window is read by attention; one kept outside it is memory the window promised back", "safety"
+)
 def invariant_window_blocks_exact(state: WindowState) -> str | None:
     for seq, table in state.tables.items():
         length = state.lengths.get(seq, 0)
