@@ -20,6 +20,14 @@ from kvspec.spec.block_manager import BlockManager, SeqId, WritePlan, check_toke
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.paged_attention import KVShape, slot_of
 
+# Attention reads tiles of about TILE_TOKENS positions of TILE_SEQUENCES sequences.  Sized for the checks,
+# not for speed: with small blocks a tile folds several blocks at once, the conformance machines' sequences
+# (tens of positions) span several tiles and their batches (up to a beam and its children) several groups
+# of sequences, so they check all three of ``online_softmax_attention``'s steps: the fold within a tile,
+# the rescale across tiles (formula (4)), and the groups the decode kernel splits a batch into.
+TILE_TOKENS = 8
+TILE_SEQUENCES = 2
+
 
 def _check_kv(shape: KVShape, layer: int, keys: np.ndarray, values: np.ndarray, length: int) -> None:
     if not 0 <= layer < shape.num_layers:
@@ -42,6 +50,7 @@ class PagedKVCache:
         self._values = [np.zeros(blocks) for _ in range(shape.num_layers)]
         # Kept here rather than read back through the manager: a decode step asks for lengths often.
         self._lengths: dict[SeqId, int] = {}
+        self._tile_blocks = max(1, TILE_TOKENS // manager.block_size)
 
     @property
     def manager(self) -> BlockManager:
@@ -91,7 +100,15 @@ class PagedKVCache:
         if not 0 <= layer < self._shape.num_layers:
             raise InvalidOperation(f"layer {layer} does not exist (0..{self._shape.num_layers - 1})")
         table = self._table(seq)
-        return PagedLayerKV(self._keys[layer], self._values[layer], table, self.length(seq), self.merge)
+        return PagedLayerKV(
+            self._keys[layer],
+            self._values[layer],
+            table,
+            self.length(seq),
+            self.merge,
+            self._tile_blocks,
+            TILE_SEQUENCES,
+        )
 
     def move_sequences(self, dst: PagedKVCache, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]:
         if dst.shape != self._shape:

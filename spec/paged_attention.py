@@ -33,6 +33,21 @@ Rules (vLLM §4.1-4.3, lecture §4.1-4.2 and §5.1-5.2):
   ``m' = max(m, max_j)``, ``l' = l e^(m - m') + sum e^(s_j - m')`` and
   ``o' = o e^(m - m') + e^(s_j - m') V_j``.  Dropping the rescale ``e^(m - m')``
   is a classic bug: it is exact only while the first block holds the maximum.
+* A step may fold a *tile* -- blocks ``j .. j+k-1`` of the table at once, ``s``
+  and ``V`` their scores and values side by side, ``max`` over all of them --
+  and this is still formula (4), the same ``m``, ``l`` and ``o`` as ``k``
+  single-block steps: by induction on ``k``, after ``i`` steps
+  ``m_i = max(m, max over blocks j..j+i-1)``, ``l_i = l e^(m - m_i) + sum
+  e^(s - m_i)`` and ``o_i = o e^(m - m_i) + sum e^(s - m_i) V`` over those
+  blocks, because step ``i`` multiplies everything before it by
+  ``e^(m_(i-1) - m_i)`` and these rescales telescope to ``e^(m - m_i)``; at
+  ``i = k`` that is the tile's update.  Only the floating-point rounding
+  differs, far inside the tolerance below.  Sequences, their queries and the
+  KV heads are independent rows of this arithmetic, so one step may fold a
+  tile of many sequences; a key past a query's position (causality, a
+  sequence that ends inside the tile, a table padded to whole tiles) gets
+  score ``-inf`` and weight 0 -- formula (4) over that query's own keys -- and
+  a sequence whose keys all precede a tile need not take part in it.
 
 Theory of operation: no state machine of its own -- the block manager's model
 (``kvspec.spec.block_manager``) is the state, and this layer adds one obligation:
@@ -51,8 +66,9 @@ batch)`` (the logits of each batch entry); ``contiguous_kv_cache(shape)``
 returns the contiguous twin (``KVCache`` and ``SequenceStore``); and
 ``decode_attention(queries, key_blocks, value_blocks, tables, lengths,
 chunk_blocks)`` is the batched decode kernel -- one query ``[heads, d]`` per
-sequence over head-major blocks ``[kv_heads, num_blocks, B, d]`` -- whose
-outputs must equal formula (4).
+sequence, at position ``length - 1``, over head-major blocks ``[kv_heads,
+num_blocks, B, d]``, folding tiles of ``chunk_blocks`` blocks -- whose outputs
+must equal formula (4).
 
 Invariants:
 
