@@ -39,7 +39,7 @@ class Spread:
         return cls(float(array.mean()), std, float(array.min()), float(array.max()), len(array))
 
     def __str__(self) -> str:
-        return f"{self.mean:.3g} ± {self.std:.2g} ({self.low:.3g}-{self.high:.3g}, {self.seeds} seeds)"
+        return f"{_number(self.mean)} ± {_number(self.std, 2)} ({_number(self.low)}-{_number(self.high)}, {self.seeds} seeds)"
 
     def percent(self) -> str:
         """The same for a share, in percent."""
@@ -47,6 +47,11 @@ class Spread:
             f"{100 * self.mean:.1f} % ± {100 * self.std:.1f} ({100 * self.low:.1f}-{100 * self.high:.1f},"
             f" {self.seeds} seeds)"
         )
+
+
+def _number(value: float, digits: int = 3) -> str:
+    """``digits`` significant digits, but every digit of a whole number past them (8,709, not 8.71e+03)."""
+    return f"{value:,.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
 
 
 def within(measured: float, published: float, tolerance: float) -> bool:

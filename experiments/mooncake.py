@@ -29,6 +29,7 @@ import attrs
 from kvspec.experiments import mooncake_conductor as conductor
 from kvspec.experiments import mooncake_rejection as rejection
 from kvspec.experiments import serving
+from kvspec.experiments.figures import SEEDS, Verdict, as_json, print_verdicts, within
 from kvspec.experiments.prefix_cache import PrefillModel
 from kvspec.report import emit_json, table
 
@@ -125,20 +126,112 @@ def layer_wise() -> list[dict[str, object]]:
     return [{"tier": tier, **layer_wise_ms(bandwidth)} for tier, bandwidth in TIER_BYTES_PER_S.items()]
 
 
+TEN_X_CLAIM = "reading back beats recomputing by 10x or more from every tier"
+
+
+def verdicts(storage: dict[str, Any], layers: list[dict[str, Any]]) -> list[Verdict]:
+    llama, opt = MODELS
+    rows = {(r["model"], r["tier"]): r for r in storage["rows"]}
+    ratio = {tier: rows[(llama.name, tier)]["ratio"] for tier in TIER_BYTES_PER_S}
+    opt_ratio = {tier: rows[(opt.name, tier)]["ratio"] for tier in TIER_BYTES_PER_S}
+    ssd = next(r for r in layers if r["tier"] == SSD_AGGREGATE)
+    per_flop = storage["bytes_per_flop"]
+    return [
+        Verdict(
+            "KV bytes per token: LLaMA2-70B (GQA), OPT-13B (MHA)",
+            "lecture §14 exercises 1, 8",
+            "327,680; 819,200",
+            f"{llama.kv_bytes_per_token:,}; {opt.kv_bytes_per_token:,}",
+            "exact",
+            (llama.kv_bytes_per_token, opt.kv_bytes_per_token) == (327_680, 819_200),
+        ),
+        Verdict(
+            "recomputing a LLaMA2-70B token on 8 x A800 at 60 %: matmuls, with attention",
+            "lecture §14 exercise 8",
+            "91 us; about 99 us",
+            f"{llama.recompute_seconds() * 1e6:.1f} us; {llama.recompute_seconds(CONTEXT) * 1e6:.1f} us",
+            "as rounded",
+            (round(llama.recompute_seconds() * 1e6), round(llama.recompute_seconds(CONTEXT) * 1e6)) == (91, 99),
+        ),
+        Verdict(
+            "reading a LLaMA2-70B token back: RDMA, one SSD (recompute / read)",
+            "lecture §14 exercise 8",
+            "3.3 us (28x); 54.6 us (1.7x)",
+            f"{rows[(llama.name, 'RDMA 100 GB/s')]['read_us']:.1f} us ({ratio['RDMA 100 GB/s']:.1f}x);"
+            f" {rows[(llama.name, 'SSD x1 (6 GB/s)')]['read_us']:.1f} us ({ratio['SSD x1 (6 GB/s)']:.2f}x)",
+            "+-5 %",
+            all(within(ratio[t], LECTURE_RATIO_70B[t], 0.05) for t in ("RDMA 100 GB/s", "SSD x1 (6 GB/s)")),
+        ),
+        Verdict(
+            "reading back from SSD beats recomputing a GQA model's token",
+            "lecture §13 pitfall 8",
+            "7x",
+            f"{ratio[SSD_AGGREGATE]:.2f}x ({SSD_AGGREGATE})",
+            "+-5 %",
+            within(ratio[SSD_AGGREGATE], LECTURE_RATIO_70B[SSD_AGGREGATE], 0.05),
+        ),
+        Verdict(
+            TEN_X_CLAIM,
+            "lecture §9.3",
+            ">= 10x",
+            f"{min(ratio.values()):.1f}x to {max(ratio.values()):.1f}x",
+            "every tier >= 10x",
+            storage["ten_x_from_every_tier"],
+            reason=(
+                f"from DRAM and RDMA it is {ratio['DRAM (PCIe 8 x 25 GB/s)']:.0f}x and {ratio['RDMA 100 GB/s']:.0f}x,"
+                f" but from SSDs {ratio['SSD x1 (6 GB/s)']:.1f}x (one) and {ratio[SSD_AGGREGATE]:.1f}x (four): the"
+                " lecture's own exercise 8 and pitfall 8 give the SSD figures; §9.3's sentence overstates them."
+            ),
+        ),
+        Verdict(
+            "OPT-13B (MHA): reading back only a few times faster, slower from SSD",
+            "lecture §9.3, pitfall 8",
+            "a few x; < 1 from SSD",
+            f"RDMA {opt_ratio['RDMA 100 GB/s']:.1f}x, DRAM {opt_ratio['DRAM (PCIe 8 x 25 GB/s)']:.1f}x,"
+            f" SSD x4 {opt_ratio[SSD_AGGREGATE]:.2f}x",
+            "1-5x; SSD < 1",
+            1 < opt_ratio["RDMA 100 GB/s"] < 5 and opt_ratio[SSD_AGGREGATE] < 1,
+        ),
+        Verdict(
+            "KV bytes per matmul FLOP: OPT-13B, LLaMA2-70B, and how far apart",
+            "lecture §14 exercise 9",
+            "3.1e-5; 2.4e-6; about 13x",
+            f"{per_flop[opt.name]:.2g}; {per_flop[llama.name]:.2g}; {storage['bytes_per_flop_ratio']:.1f}x",
+            "as rounded",
+            round(storage["bytes_per_flop_ratio"]) == 13,
+        ),
+        Verdict(
+            "layer-wise prefill, 8.7K tokens, half a hit: full, overlapped; SSD without overlap",
+            "lecture §9.3 demo 1",
+            "870 ms, 454 ms; +60 ms",
+            f"{ssd['full_prefill_ms']:.0f} ms, {ssd['overlapped_ms']:.0f} ms; +{ssd['load_ms']:.0f} ms",
+            "+-2 %",
+            within(ssd["full_prefill_ms"], LECTURE_LAYERWISE_MS["full"], 0.02)
+            and within(ssd["overlapped_ms"], LECTURE_LAYERWISE_MS["overlapped"], 0.02)
+            and within(ssd["load_ms"], LECTURE_LAYERWISE_MS["ssd_extra"], 0.02),
+        ),
+    ]
+
+
+QUICK = {"conductor": 800, "rejection": 2_000}  # --quick: requests per seed, and no replay of the shipped traces
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvspec repro mooncake", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the same numbers as JSON")
     parser.add_argument("--plot", type=Path, help="write the rejection load series here (needs matplotlib)")
-    parser.add_argument("--quick", action="store_true", help="small simulations (what the tests run)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    parser.add_argument("--quick", action="store_true", help="small simulations, no trace replays")
     args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else {"conductor": conductor.LECTURE_REQUESTS, "rejection": rejection.REQUESTS}
     results: dict[str, Any] = {
         "storage_for_compute": storage_for_compute(),
         "layer_wise": layer_wise(),
-        "conductor": conductor.experiments(quick=args.quick),
-        "rejection": rejection.experiments(quick=args.quick),
+        "conductor": conductor.experiments(sizes["conductor"], args.seeds, with_traces=not args.quick),
+        "rejection": rejection.experiments(sizes["rejection"], args.seeds, table_3=not args.quick),
     }
     if args.json:
-        emit_json(results)
+        emit_json(as_json(results))
     else:
         print_storage(results["storage_for_compute"], results["layer_wise"])
         conductor.print_tables(results["conductor"])
@@ -188,3 +281,4 @@ def print_storage(storage: dict[str, Any], layers: list[dict[str, Any]]) -> None
             "(lecture: 870 full, 454 overlapped, SSD +60 ms without overlap)",
         )
     )
+    print_verdicts(verdicts(storage, layers), "Lecture §9.3 against this model")

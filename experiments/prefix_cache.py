@@ -119,8 +119,8 @@ class PrefillModel:
     utilisation: float = 0.6
     kv_bytes_per_token: int = 2 * 80 * 8 * 128 * 2  # K and V, 80 layers, 8 KV heads, d_h 128, BF16
 
-    def seconds(self, new_tokens: int, cached_tokens: int) -> float:
-        """Prefill of ``new_tokens`` after ``cached_tokens`` of reused prefix."""
+    def seconds(self, new_tokens: Any, cached_tokens: Any) -> Any:
+        """Prefill of ``new_tokens`` after ``cached_tokens`` of reused prefix (elementwise over arrays)."""
         end = cached_tokens + new_tokens
         attention = 4 * self.layers * self.d_model * (end * (end - 1) - cached_tokens * (cached_tokens - 1)) / 2
         return (self.linear_flops_per_token * new_tokens + attention) / (self.gpus * self.peak_flops * self.utilisation)

@@ -3,9 +3,9 @@
 Tolerances: exact for exercises 1-2 and the derived slot count; +-0.2 points
 for the block-size table; +-4 points for the ledger shares; +-20 % for the
 batch-size ratios.  Each test cites where the figure is stated.  The serving
-runs are the command's, on the calibrated model, at every seed, with 400
-requests instead of 1,000 (the command prints both counts' figures inside
-the same tolerances).
+runs are the command's, on the calibrated model, over its first three seeds
+(it prints five), with 400 requests instead of 1,000 (the figures of both
+counts lie inside the same tolerances).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from kvspec.experiments import fragmentation, serving
 from kvspec.experiments.figures import SEEDS
 
 TEST_REQUESTS = 400
+TEST_SEEDS = SEEDS[:3]
 
 
 def test_demo_1_d_fails_with_six_slots_free_as_four_plus_two() -> None:
@@ -62,7 +63,7 @@ def test_demo_4_block_size_waste_within_a_fifth_of_a_point() -> None:
 
 @functools.cache
 def runs() -> fragmentation.Runs:
-    return fragmentation.serving_runs(TEST_REQUESTS, SEEDS, ("calibrated",), workers=1)
+    return fragmentation.serving_runs(TEST_REQUESTS, TEST_SEEDS, ("calibrated",), workers=1)
 
 
 @functools.cache
@@ -101,12 +102,15 @@ def test_demo_3_concurrency_in_fig_13s_setting() -> None:
 
 def test_demo_3_at_peak_bandwidth_paged_stops_waiting_for_memory() -> None:
     """The reason the command prints for the uncalibrated model: at 100 % of peak bandwidth Paged serves
-    2 req/s with memory to spare in most iterations, so its batch (and the ratios) shrink."""
-    peak = fragmentation.demo_3(fragmentation.serving_runs(TEST_REQUESTS, SEEDS[:1], ("peak",), workers=1), "peak")
-    calibrated = fragmentation.demo_3(runs(), "calibrated")
-    waits = {
-        model: r["ShareGPT"]["memory_bound_share_of_iterations"]["Paged"].mean
-        for model, r in (("peak", peak), ("calibrated", calibrated))
-    }
-    assert waits["peak"] < waits["calibrated"] / 2
-    assert peak["ShareGPT"]["paged_over"]["Oracle"].mean < calibrated["ShareGPT"]["paged_over"]["Oracle"].mean
+    2 req/s with memory to spare in most iterations, so its batch (and the ratios) shrink.  Seed 0 at peak
+    against the calibrated means."""
+    workload = serving.sharegpt_like(TEST_REQUESTS, seed=0)
+    rate = fragmentation.CONCURRENCY_RATES["ShareGPT"]
+    peak = {p: serving.serve(p, workload, rate, 0, serving.PEAK, track_ledger=True) for p in ("Paged", "Oracle")}
+    calibrated = fragmentation.demo_3(runs(), "calibrated")["ShareGPT"]
+    assert (
+        peak["Paged"]["memory_bound_share_of_iterations"]
+        < calibrated["memory_bound_share_of_iterations"]["Paged"].mean / 2
+    )
+    peak_ratio = peak["Paged"]["mean_batched_requests"] / peak["Oracle"]["mean_batched_requests"]
+    assert peak_ratio < calibrated["paged_over"]["Oracle"].mean

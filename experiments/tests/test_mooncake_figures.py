@@ -1,10 +1,20 @@
-"""Lecture §9's figures, each against its source with the tolerance stated."""
+"""Lecture §8.4-8.5 and §9's figures, each against its source with the tolerance stated.
+
+The simulations are the command's, at its request counts, over the first three of its seeds (the command
+prints all five).
+"""
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 import pytest
 
 from kvspec.experiments import mooncake, mooncake_conductor, mooncake_rejection
+from kvspec.experiments.figures import SEEDS, Spread
+
+TEST_SEEDS = SEEDS[:3]
 
 
 def test_per_token_arithmetic_is_exact() -> None:
@@ -22,6 +32,14 @@ def test_per_token_arithmetic_is_exact() -> None:
     assert round(mooncake.storage_for_compute()["bytes_per_flop_ratio"]) == 13  # exercise 9: "about 13x"
 
 
+def test_ten_times_from_every_tier_does_not_hold_for_the_ssd() -> None:
+    """Lecture §9.3 says reading back beats recomputing by 10x or more from every tier; pitfall 8 says 7x from
+    SSD.  The model agrees with the latter, and the command prints that it cannot support the former."""
+    storage = mooncake.storage_for_compute()
+    assert not storage["ten_x_from_every_tier"]
+    assert all(v.holds == (v.claim != mooncake.TEN_X_CLAIM) for v in mooncake.verdicts(storage, mooncake.layer_wise()))
+
+
 def test_layer_wise_within_two_percent() -> None:
     """Lecture §9.3 demo 1: 870 ms full, 454 ms overlapped, SSD +60 ms without overlap (+-2 %)."""
     ssd = mooncake.layer_wise_ms(mooncake.TIER_BYTES_PER_S[mooncake.SSD_AGGREGATE])
@@ -30,65 +48,148 @@ def test_layer_wise_within_two_percent() -> None:
     assert ssd["load_ms"] == pytest.approx(mooncake.LECTURE_LAYERWISE_MS["ssd_extra"], rel=0.02)
 
 
-@pytest.fixture(scope="module")
-def conductor_runs() -> dict[str, dict[str, object]]:
-    """The lecture's stream at full scale (4,157 requests: ~1 s), at high load."""
-    stream = mooncake_conductor.document_stream(load=mooncake_conductor.HIGH_LOAD)
-    return {p: mooncake_conductor.simulate(stream, p) for p in mooncake_conductor.POLICIES}
+@functools.cache
+def streams() -> list[mooncake_conductor.Stream]:
+    """The lecture's stream at its own load, one per seed, each fitted to its seed's draws."""
+    return [mooncake_conductor.document_stream(load=mooncake_conductor.lecture_load(), seed=s) for s in TEST_SEEDS]
 
 
 def test_stream_has_the_lecture_statistics() -> None:
-    """Lecture §8.4: mean input 8,709 tokens, 56 % of blocks seen once (+-5 %); §8.5's 2.46x unbounded-cache
-    prefill saving lands at ~2.0x, outside +-5 % but inside +-25 %."""
-    stats = mooncake_conductor.statistics(mooncake_conductor.document_stream())
+    """Lecture §8.4: mean input 8,709 tokens, 56 % of blocks seen once; §8.5: prefill 2.46x faster with an
+    unbounded cache -- each within 5 % for every seed, measured on the stream (the last two are fitted, in
+    closed form: the measurement checks the fit)."""
     lecture = mooncake_conductor.STREAM
-    assert stats["mean_input"] == pytest.approx(lecture["mean_input"], rel=0.05)
-    assert stats["single_use_blocks"] == pytest.approx(lecture["single_use_blocks"], rel=0.05)
-    assert stats["unbounded_speedup"] == pytest.approx(lecture["unbounded_speedup"], rel=0.25)
+    for stream in streams():
+        stats = mooncake_conductor.statistics(stream)
+        for name in ("mean_input", "single_use_blocks", "unbounded_speedup"):
+            assert stats[name] == pytest.approx(lecture[name], rel=mooncake_conductor.STREAM_TOLERANCE), name
 
 
-def test_conductor_within_tolerance(conductor_runs: dict[str, dict[str, object]]) -> None:
-    """Lecture §9.4 demo 2 (+-25 %): cache-aware computes ~40 % fewer tokens than random, cuts mean TTFT more
-    than 10x at high load, and replication moves ~6.8 M tokens."""
-    figures = mooncake_conductor.figures(list(conductor_runs.values()))
+def test_global_cache_speedups_of_section_8_5() -> None:
+    """Lecture §8.5: prefill GPU time 1.05 h without a cache and 0.42 h with an unbounded one; 1.46x with 1,000
+    blocks (the follow-up delay is calibrated to it) and 2.34x with 10,000 (a prediction).  Means over seeds,
+    within 10 %."""
+    caches = [mooncake_conductor.global_cache(stream) for stream in streams()]
+    for name, hours in mooncake_conductor.LECTURE_HOURS.items():
+        assert Spread.of(c["hours"][name] for c in caches).mean == pytest.approx(hours, rel=0.1)
+    for name, speedup in mooncake_conductor.LECTURE_GLOBAL_SPEEDUPS.items():
+        assert Spread.of(c["speedups"][name] for c in caches).mean == pytest.approx(speedup, rel=0.1)
+
+
+@functools.cache
+def high_load() -> list[dict[str, dict[str, Any]]]:
+    """Each policy at high load, per seed (the first two)."""
+    runs = []
+    for seed in TEST_SEEDS[:2]:
+        stream = mooncake_conductor.document_stream(load=mooncake_conductor.HIGH_LOAD, seed=seed)
+        runs.append({p: mooncake_conductor.simulate(stream, p, seed=seed) for p in mooncake_conductor.POLICIES})
+    return runs
+
+
+def test_conductor_within_tolerance() -> None:
+    """Lecture §9.4 demo 2 (+-25 %, means over seeds): cache-aware computes ~40 % fewer tokens than random, cuts
+    mean TTFT more than 10x at high load (every seed), and replication moves ~6.8 M tokens."""
+    figures = [mooncake_conductor.figures(by) for by in high_load()]
     for name in ("computed_tokens_cut", "moved_tokens"):
-        assert figures[name] == pytest.approx(mooncake_conductor.LECTURE[name], rel=0.25), name
-    assert figures["ttft_ratio_at_high_load"] > mooncake_conductor.LECTURE["ttft_ratio_at_high_load"]
+        mean = Spread.of(f[name] for f in figures).mean
+        assert mean == pytest.approx(mooncake_conductor.LECTURE[name], rel=mooncake_conductor.LECTURE_TOLERANCE), name
+    assert all(f["ttft_ratio_at_high_load"] > mooncake_conductor.LECTURE["ttft_ratio_at_high_load"] for f in figures)
 
 
-def test_conductor_hit_rate_ordering_only(conductor_runs: dict[str, dict[str, object]]) -> None:
-    """Lecture §9.4 / Fig. 8: cache-aware's hit rate "doubles" random's.  Here it is ~3.5x, outside +-25 %
-    (about two requests per document, no prefix shared by all), so only the ordering is asserted:
-    random <= cache-aware <= cache-aware + replication."""
-    hit = {p: float(r["hit_rate"]) for p, r in conductor_runs.items()}  # type: ignore[arg-type]
-    assert hit["random"] < hit["cache-aware"] <= hit["cache-aware + replication"]
-    assert mooncake_conductor.figures(list(conductor_runs.values()))["hit_rate_ratio"] >= 2
+def test_conductor_order_and_refusals() -> None:
+    """Mooncake Fig. 8's order on every seed (blind < cache-aware <= with replication in hit rate, TTFT the
+    other way); HTTP 429s: refusing the requests predicted to miss the SLO serves the rest within it, and
+    random placement, which queues more, refuses more than cache-aware placement."""
+    assert all(mooncake_conductor.ordered(mooncake_conductor.figures(by)) for by in high_load())
+    stream = mooncake_conductor.document_stream(load=mooncake_conductor.HIGH_LOAD, seed=TEST_SEEDS[0])
+    refusing = {p: [mooncake_conductor.simulate(stream, p, reject=True)] for p in mooncake_conductor.REFUSING}
+    refusals = mooncake_conductor.refusals(refusing)
+    assert refusals["longest_served_ttft_s"] <= mooncake_conductor.TTFT_SLO_S
+    assert refusals["rejected_share"]["cache-aware"].mean < refusals["rejected_share"]["random"].mean
+
+
+def test_hit_rate_ratio_deviates_and_the_sensitivity_shows_why() -> None:
+    """Lecture §9.4: cache-aware's hit rate "doubles" random's.  Here about 3x, outside +-25 %, and printed
+    with its reason: the ratio falls toward 2 only as requests per reused document grow (8 here), and by then
+    the stream's unbounded speedup is far past the lecture's 2.46x."""
+    fitted = [mooncake_conductor.figures(by)["hit_rate_ratio"] for by in high_load()]
+    assert Spread.of(fitted).mean > 2 * (1 + mooncake_conductor.LECTURE_TOLERANCE)
+    shape = mooncake_conductor.fit_shape(reused_requests=8.0)
+    stream = mooncake_conductor.document_stream(load=mooncake_conductor.HIGH_LOAD, shape=shape)
+    by = {p: mooncake_conductor.simulate(stream, p) for p in mooncake_conductor.SENSITIVITY_POLICIES}
+    assert mooncake_conductor.figures(by)["hit_rate_ratio"] < fitted[0]
+    speedup = mooncake_conductor.statistics(stream)["unbounded_speedup"]
+    assert speedup > (1 + mooncake_conductor.LECTURE_TOLERANCE) * mooncake_conductor.STREAM["unbounded_speedup"]
+
+
+def rejection_runs(
+    policy: str, ratio: float = 3.0, sigma: float = mooncake_rejection.OUTPUT_SIGMA, **admission: Any
+) -> list[dict[str, Any]]:
+    """One admission over the test's seeds, at the command's request count."""
+    return [
+        mooncake_rejection.simulate(
+            mooncake_rejection.poisson_workload(prefill_over_decode=ratio, seed=seed, output_sigma=sigma),
+            mooncake_rejection.Admission(policy, **admission),
+            seed,
+        )
+        for seed in TEST_SEEDS
+    ]
+
+
+rejection_runs = functools.cache(rejection_runs)
 
 
 def test_early_rejection_wastes_less_and_anti_correlates() -> None:
-    """Lecture §9.6 demo 3: early rejection cuts wasted prefill (lecture ~70 %; +-25 % of the cut),
-    completes about as many (within 5 %), and the load series turn anti-correlated."""
-    work = mooncake_rejection.poisson_workload(4_000)
-    base, early, predicted = (mooncake_rejection.simulate(work, p) for p in mooncake_rejection.POLICIES[:3])
-    cut = 1 - early["wasted_prefill_s"] / base["wasted_prefill_s"]
-    assert cut == pytest.approx(mooncake_rejection.LECTURE["early_wasted_cut"], rel=0.25)
-    assert early["completed"] == pytest.approx(base["completed"], rel=0.05)
-    assert early["load_correlation"] < 0
+    """Lecture §9.6 demo 3 (means over seeds): early rejection cuts wasted prefill (lecture ~70 %; +-25 % of
+    the cut), completes about as many (within 5 %), and the load series turn anti-correlated."""
+    early, base = rejection_runs("early"), rejection_runs("baseline")
+    cut = mooncake_rejection.relative(early, base, "wasted_prefill_s", cut=True)
+    assert cut.mean == pytest.approx(mooncake_rejection.LECTURE["early_wasted_cut"], rel=0.25)
+    completions = mooncake_rejection.relative(early, base, "completed")
+    assert abs(completions.mean) <= mooncake_rejection.COMPLETIONS_TOLERANCE
+    assert Spread.of(r["load_correlation"] for r in early).mean < 0
 
 
-def test_shared_t_d_prediction_ordering_only() -> None:
-    """Lecture §9.6: the shared-t_d predictor cuts wasted prefill by ~1/3 and completes ~5 % fewer.  Outside
-    tolerance here (it cuts ~0 %: it takes the long running decodes for finished), so only the ordering:
-    it wastes no more than the baseline and more than early rejection."""
-    work = mooncake_rejection.poisson_workload(4_000)
-    base, early, predicted = (mooncake_rejection.simulate(work, p) for p in mooncake_rejection.POLICIES[:3])
-    assert early["wasted_prefill_s"] < predicted["wasted_prefill_s"] <= base["wasted_prefill_s"] * 1.01
+def test_shared_t_d_predictor_misses_for_the_reason_printed() -> None:
+    """Lecture §9.6: the shared-t_d predictor cuts wasted prefill by ~1/3.  Here it cuts almost nothing, and the
+    diagnostic says why: deciding, it counts under 3/4 of the decodes that will still be running (the long
+    ones, believed finished); with equal output lengths it counts them exactly and cuts more than early
+    rejection does."""
+    predicted, base = rejection_runs("prediction"), rejection_runs("baseline")
+    early_cut = mooncake_rejection.relative(rejection_runs("early"), base, "wasted_prefill_s", cut=True)
+    assert mooncake_rejection.relative(predicted, base, "wasted_prefill_s", cut=True).mean < 0.1
+    assert max(r["believed_over_actual_decodes"] for r in predicted) < 0.75
+    equal = rejection_runs("prediction", sigma=0.0)
+    assert all(r["believed_over_actual_decodes"] == pytest.approx(1.0) for r in equal)
+    equal_cut = mooncake_rejection.relative(equal, rejection_runs("baseline", sigma=0.0), "wasted_prefill_s", cut=True)
+    assert equal_cut.low > early_cut.high
+
+
+def test_exercise_11_answered_by_a_run() -> None:
+    """Lecture §14 exercise 11: early rejection completes more only where a doomed prefill costs others theirs.
+    FIFO prefill with exact TTFT prediction: no win (within 5 %) at prefill capacity 1.5x or 3x decode's.
+    Batched (processor-sharing) prefill at 1.5x: more than 1.5x the completions within the TTFT SLO on every
+    seed, and a lower P90 TTFT; with both admission margins tuned (x0.3 of the SLO) the two are within 5 %."""
+    ratio = mooncake_rejection.EXERCISE_11_RATIO
+    for prefill_capacity in (ratio, 3.0):
+        gain = mooncake_rejection.relative(
+            rejection_runs("early", prefill_capacity), rejection_runs("baseline", prefill_capacity), "completed"
+        )
+        assert abs(gain.mean) <= mooncake_rejection.COMPLETIONS_TOLERANCE
+    early, base = rejection_runs("early", ratio, prefill="shared"), rejection_runs("baseline", ratio, prefill="shared")
+    assert mooncake_rejection.relative(early, base, "within_slo").low > 0.5
+    assert Spread.of(r["ttft_p90_s"] for r in early).mean < Spread.of(r["ttft_p90_s"] for r in base).mean
+    tuned = {
+        p: rejection_runs(p, ratio, prefill="shared", margin=min(mooncake_rejection.MARGINS))
+        for p in ("early", "baseline")
+    }
+    assert abs(mooncake_rejection.relative(tuned["early"], tuned["baseline"], "within_slo").mean) <= 0.05
 
 
 def test_table_3_decode_is_the_bottleneck() -> None:
     """Table 3 calibration: decode sized for the conversation trace at 1x, so at 2x requests are refused
     after prefill (decode full).  The paper's ordering (4,183 > 3,771 > 3,589) does not hold and is not
-    asserted; ``kvspec repro mooncake`` prints it."""
+    asserted; ``kvspec repro mooncake`` prints it with its reason."""
     work = mooncake_rejection.trace_workload()
     concurrent = sum(work.decode_s) / work.arrivals_s[-1]  # at 2x; slots round up, hence ~1.8x, not 2x
     assert concurrent > 1.75 * mooncake_rejection.DECODES * work.slots
