@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
+from kvspec.experiments import prefix_cache
+from kvspec.experiments import trace as traces
+from kvspec.experiments.figures import SEEDS, Spread
 from kvspec.experiments.prefix_cache import few_shot
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.prefix_cache import PrefixCachingManager
@@ -20,3 +25,41 @@ def test_lecture_exercise_7_few_shot_savings(kv_implementation: Implementation) 
     result = few_shot("exercise 7", 341, [20] * 8, 16, manager)
     assert (result.computed, result.without_cache) == (536, 2888)
     assert round(100 * result.saved) == 81
+
+
+def test_chained_hashes_share_a_prefix_and_break_after_an_edit() -> None:
+    """Lecture §8.2 demo 1: two requests with the same system prompt and opening share blocks 1-3 and not 4;
+    one token of block 2 changed changes its hash and every later one.  Exercise 10: a token of block 3 of 5
+    changed changes blocks 3, 4 and 5."""
+    demo = prefix_cache.chained_hash_demo()
+    assert demo["shared_blocks"] == [True, True, True, False]
+    assert demo["unchanged_after_edit"] == [True, False, False, False]
+    assert prefix_cache.exercise_10() == [False, False, True, True, True]
+
+
+def test_few_shot_savings_over_seeds() -> None:
+    """Lecture §8.3 demo 2: 5-shot prefix, questions of 10-30 tokens: 82 % of prefill tokens saved (+-1.5
+    points, mean over seeds; each seed draws its questions); a longer prefix saves more, on every seed."""
+    runs = [prefix_cache.few_shot_experiment(seed) for seed in SEEDS]
+    saved = Spread.of(run[1].saved for run in runs)
+    assert abs(saved.mean - prefix_cache.LECTURE_FEW_SHOT_SAVED) <= prefix_cache.FEW_SHOT_POINTS
+    assert all(run[1].saved > run[0].saved for run in runs)
+
+
+def test_storage_of_section_8_5() -> None:
+    """Lecture §8.5: a 512-token block of LLaMA2-70B KV is 168 MB, 10,000 blocks 1.68 TB, and one 8-GPU
+    machine's HBM only 0.64 TB (8 x 80 GB), each as rounded there."""
+    sizes = prefix_cache.storage(prefix_cache.PrefillModel())
+    assert round(sizes["block_mb"]) == 168
+    assert round(sizes["10,000 blocks_tb"], 2) == 1.68
+    assert round(sizes["machine_hbm_tb"], 2) == 0.64
+
+
+def test_unbounded_hit_rate_is_capped_by_first_sightings() -> None:
+    """Lecture §8.4 and pitfall 7: the hit rate saturates at the share of blocks not seen for the first time
+    (chained hashes: a block seen before brings its whole prefix), exactly, on the shipped synthetic trace."""
+    trace = traces.load("synthetic")
+    stats = traces.statistics(trace)
+    unbounded = traces.hit_rate(trace, traces.replay(trace, None, "lru"))
+    assert unbounded == pytest.approx(1 - stats["distinct_blocks"] / stats["blocks"], rel=1e-12)
+    assert traces.hit_rate(trace, traces.replay(trace, 1_000, "lru")) < unbounded
