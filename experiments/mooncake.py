@@ -231,6 +231,12 @@ def main(argv: list[str]) -> int:
         "rejection": rejection.experiments(sizes["rejection"], args.seeds, table_3=not args.quick),
     }
     if args.json:
+        storage, layers = results["storage_for_compute"], results["layer_wise"]
+        results["verdicts"] = [
+            *verdicts(storage, layers),
+            *conductor.verdicts(results["conductor"]),
+            *rejection.verdicts(results["rejection"]),
+        ]
         emit_json(as_json(results))
     else:
         print_storage(results["storage_for_compute"], results["layer_wise"])
