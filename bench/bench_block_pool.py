@@ -15,11 +15,11 @@ import time
 
 from hypothesis import settings
 
-from kvspec.properties import harness, profiles, suite
+from kvspec.properties import harness, loading, profiles, suite
 from kvspec.report import table
 
 BLOCKS, BLOCK_SIZE = 4_096, 16
-REFERENCE = harness.load_implementation(harness.REFERENCE)
+REFERENCE = loading.load_implementation(loading.REFERENCE)
 
 
 def rate(operation, count: int) -> float:
@@ -57,7 +57,8 @@ def main() -> int:
         start = time.perf_counter()
         outcome = harness.run_machine(suite.load_machine(path), REFERENCE)
         seconds = time.perf_counter() - start
-        machine_rows.append((name, outcome.steps_explored, seconds, outcome.steps_explored / seconds))
+        steps = outcome.statistics.steps
+        machine_rows.append((name, steps, seconds, steps / seconds))
     print(table(["machine (lockstep with the spec)", "steps", "seconds", "steps/s"], machine_rows))
     return 0
 

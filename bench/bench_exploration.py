@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from hypothesis import settings as Settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvspec.properties import harness, profiles, suite
+from kvspec.properties import harness, loading, profiles, suite
 from kvspec.report import emit_json, progress, table
 
 MECHANISMS: dict[str, str] = {
@@ -38,9 +38,9 @@ NOT_MECHANISMS = re.compile(r" out of contract, rejected$| rejected with |^(Retr
 
 def score(title: str, path: str, base: Settings) -> dict[str, object]:
     """Run one machine against the reference; its row of the score."""
-    bound = suite.load_machine(path).bind(harness.load_implementation(harness.REFERENCE))
+    bound = suite.load_machine(path).bind(loading.load_implementation(loading.REFERENCE))
     run_state_machine_as_test(bound, settings=harness.conformance_settings(base))
-    examples = [{text for text in events if not NOT_MECHANISMS.search(text)} for events in bound.reached]
+    examples = [{text for text in events if not NOT_MECHANISMS.search(text)} for events in bound.statistics.reached]
     shares: dict[str, float | None] = {}
     for mechanism, pattern in MECHANISMS.items():
         reached = [any(re.search(pattern, text) for text in events) for events in examples]
@@ -49,8 +49,8 @@ def score(title: str, path: str, base: Settings) -> dict[str, object]:
     return {
         "machine": title,
         "examples": len(examples),
-        "steps": bound.steps_explored,
-        "operations": len(bound.operations),
+        "steps": bound.statistics.steps,
+        "operations": len(bound.statistics.operations),
         "shares": shares,
     }
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from kvspec.impl.attention import paged_decode_attention
 from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.block_pool import BlockPool
@@ -14,24 +17,32 @@ from kvspec.impl.radix_pages import RadixPageManager
 from kvspec.impl.scheduler import Scheduler
 from kvspec.impl.sliding_window import SlidingWindowManager
 from kvspec.impl.tiny_model import ModelConfig, TinyModel
+from kvspec.spec.components import Offer, every_operation
 from kvspec.spec.implementation import Implementation
 
 
+def tiny_model(**sizes: int) -> TinyModel:
+    return TinyModel(ModelConfig(**sizes))
+
+
+COMPONENTS: dict[str, Callable[..., Any]] = {
+    "block_pool": BlockPool,
+    "block_manager": BlockManager,
+    "paged_kv_cache": PagedKVCache,
+    "tiny_model": tiny_model,
+    "contiguous_kv_cache": ContiguousKVCache,
+    "decode_attention": paged_decode_attention,
+    "contiguous_allocator": ContiguousAllocator,
+    "prefix_caching_manager": PrefixCachingBlockManager,
+    "radix_cache": RadixCache,
+    "scheduler": Scheduler,
+    "kv_store": KVStore,
+    "sliding_window_manager": SlidingWindowManager,
+    "radix_page_manager": RadixPageManager,
+}
+
+
 def reference() -> Implementation:
-    """The reference implementation: the default under test."""
-    return Implementation(
-        name="kvspec reference",
-        block_pool=BlockPool,
-        block_manager=BlockManager,
-        paged_kv_cache=PagedKVCache,
-        tiny_model=lambda **sizes: TinyModel(ModelConfig(**sizes)),
-        contiguous_kv_cache=ContiguousKVCache,
-        decode_attention=paged_decode_attention,
-        contiguous_allocator=ContiguousAllocator,
-        prefix_caching_manager=PrefixCachingBlockManager,
-        radix_cache=RadixCache,
-        scheduler=Scheduler,
-        kv_store=KVStore,
-        sliding_window_manager=SlidingWindowManager,
-        radix_page_manager=RadixPageManager,
-    )
+    """The reference implementation: the default under test; it offers every optional operation."""
+    offers: dict[str, Any] = {kind: Offer(factory, every_operation(kind)) for kind, factory in COMPONENTS.items()}
+    return Implementation(name="kvspec reference", **offers)

@@ -2,9 +2,11 @@
 
 * ``kvspec check [--impl module:factory] [--profile ci] [--json | --markdown]``
   -- the conformance verdict (``kvspec.run_conformance``): one section per
-  tier (safety, caller contract, convention), every invariant violated, held
-  or not reached, every distinct finding with its shrunk operation sequence;
-  exit status 1 if any finding counts against the implementation.
+  tier (safety, caller contract, convention), every invariant violated, held,
+  not reached, not offered or not run, every distinct finding with its shrunk
+  operation sequence.  Exit status 0 conforms, 1 violations, 2 usage or
+  adapter error (one line; ``--traceback`` for the whole), 3 nothing checked;
+  Ctrl-C prints the verdict of what ran, marked interrupted.
 * ``kvspec engines [MODULE:FACTORY ...] [--out docs/engines.md]`` -- write
   the verdicts of several implementations (say, the adapters) as one page.
 * ``kvspec repro NAME [--json]`` -- reproduce a lecture section's numbers.
@@ -14,9 +16,9 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
+import traceback
 from collections.abc import Sequence
 
 REPRO = {
@@ -30,56 +32,68 @@ REPRO = {
 
 
 def check(argv: Sequence[str]) -> int:
-    from kvspec.conformance import report_progress, run_conformance
-    from kvspec.properties import harness, profiles, suite
-    from kvspec.report import emit_json
+    from kvspec.conformance import UsageError, report_progress, run_conformance
+    from kvspec.properties import profiles
+    from kvspec.properties.loading import REFERENCE, AdapterError, select
+    from kvspec.report import Parser, emit_json
 
-    parser = argparse.ArgumentParser(prog="kvspec check", description="Conformance verdict for an implementation.")
-    parser.add_argument(
-        "--impl", default=None, metavar="MODULE:FACTORY", help="default: $KVSPEC_IMPL or impl:reference"
+    parser = Parser(
+        prog="kvspec check",
+        description="Conformance verdict for an implementation.",
+        epilog="exit status: 0 conforms, 1 violations found, 2 usage or adapter error, 3 nothing checked",
     )
+    parser.add_argument("--impl", default=None, metavar="MODULE:FACTORY", help=f"default: $KVSPEC_IMPL or {REFERENCE}")
     parser.add_argument("--profile", default="ci", choices=profiles.PROFILES)
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print the verdict as JSON")
     output.add_argument("--markdown", action="store_true", help="print the verdict as a section of docs/engines.md")
-    parser.add_argument("--machine", default="", help="run only the machines whose title contains this text")
+    parser.add_argument("--machine", default=None, help="run only the machines whose title contains this text")
+    parser.add_argument("--traceback", action="store_true", help="on an adapter error, print the whole traceback")
     args = parser.parse_args(argv)
-    if not any(args.machine in title for title, _ in suite.MACHINES):
-        print(f"kvspec check: no machine matches {args.machine!r}", file=sys.stderr)
-        return 2
     try:
-        path, _ = harness.select(args.impl)
-    except harness.BadImplementation as error:
-        print(f"kvspec check: --impl: {error}", file=sys.stderr)
-        return 2
-    verdict = run_conformance(path, layers=[args.machine], profile=args.profile, progress=report_progress)
+        path, _ = select(args.impl)
+        layers = None if args.machine is None else [args.machine]
+        verdict = run_conformance(path, layers=layers, profile=args.profile, progress=report_progress)
+    except (AdapterError, UsageError) as error:
+        return fail("kvspec check", error, args.traceback)
     if args.json:
         emit_json(verdict.to_json())
     elif args.markdown:
         print(verdict.markdown())
     else:
         print(verdict)
-    return 0 if verdict.conforms else 1
+    return verdict.exit_status
+
+
+def fail(prog: str, error: BaseException, show_traceback: bool) -> int:
+    """A usage or adapter error: one line (the whole traceback on request), exit status 2."""
+    if show_traceback:
+        traceback.print_exception(error)
+    kind = "adapter error" if type(error).__name__ == "AdapterError" else "usage"
+    print(f"{prog}: {kind}: {error}", file=sys.stderr)
+    return 2
 
 
 def engines(argv: Sequence[str]) -> int:
-    from kvspec.conformance import report_progress, run_conformance
-    from kvspec.properties import harness, profiles
+    from kvspec.conformance import UsageError, report_progress, run_conformance
+    from kvspec.properties import profiles
+    from kvspec.properties.loading import REFERENCE, AdapterError
+    from kvspec.report import Parser
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvspec engines", description="Write docs/engines.md: the verdict of each implementation named."
     )
-    parser.add_argument("impls", nargs="*", metavar="MODULE:FACTORY", default=[harness.REFERENCE])
+    parser.add_argument("impls", nargs="*", metavar="MODULE:FACTORY", default=[REFERENCE])
     parser.add_argument("--profile", default="ci", choices=profiles.PROFILES)
     parser.add_argument("--out", default="docs/engines.md", help="where to write (- for standard output)")
+    parser.add_argument("--traceback", action="store_true", help="on an adapter error, print the whole traceback")
     args = parser.parse_args(argv)
     sections = []
     for path in args.impls:
         try:
             sections.append(run_conformance(path, profile=args.profile, progress=report_progress).markdown())
-        except harness.BadImplementation as error:
-            print(f"kvspec engines: {path}: {error}", file=sys.stderr)
-            return 2
+        except (AdapterError, UsageError) as error:
+            return fail("kvspec engines", error, args.traceback)
     document = ENGINES_HEADER + "\n".join(sections)
     if args.out == "-":
         print(document)
@@ -119,13 +133,23 @@ def repro(argv: Sequence[str]) -> int:
     return 0 if asked else 2
 
 
+USAGE = "usage: kvspec {check,engines,repro,trace} ...  (kvspec COMMAND --help for each)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: kvspec {check,engines,repro,trace} ...  (kvspec COMMAND --help for each)"
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip() + "\n\n" + usage)
+        print(__doc__.strip() + "\n\n" + USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    try:
+        return run_command(command, rest)
+    except KeyboardInterrupt:
+        print(f"kvspec {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def run_command(command: str, rest: list[str]) -> int:
     if command == "check":
         return check(rest)
     if command == "engines":
@@ -134,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_module("kvspec.experiments.trace", rest)
     if command == "repro":
         return repro(rest)
-    print(usage, file=sys.stderr)
+    print(f"kvspec: unknown command {command!r}; {USAGE}", file=sys.stderr)
     return 2
 
 

@@ -22,7 +22,7 @@ import os
 import pytest
 from hypothesis import settings as Settings
 
-from kvspec.properties import harness, profiles
+from kvspec.properties import harness, loading, profiles
 from kvspec.spec.implementation import Implementation
 
 SELECTION = pytest.StashKey[tuple[str, Implementation]]()
@@ -34,7 +34,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--kv-impl",
         default=None,
         metavar="MODULE:FACTORY",
-        help=f"implementation under test (default: ${harness.ENVIRONMENT_VARIABLE} or {harness.REFERENCE})",
+        help=f"implementation under test (default: ${loading.ENVIRONMENT_VARIABLE} or {loading.REFERENCE})",
     )
     group.addoption(
         "--kv-profile",
@@ -46,13 +46,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     try:
-        config.stash[SELECTION] = harness.select(config.getoption("--kv-impl"))
-    except harness.BadImplementation as error:
+        config.stash[SELECTION] = loading.select(config.getoption("--kv-impl"))
+    except loading.AdapterError as error:
         raise pytest.UsageError(f"--kv-impl: {error}") from None
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
-    if not (config.getoption("--kv-impl") or os.environ.get(harness.ENVIRONMENT_VARIABLE)):
+    if not (config.getoption("--kv-impl") or os.environ.get(loading.ENVIRONMENT_VARIABLE)):
         return None
     path, implementation = config.stash[SELECTION]
     return f"kvspec: implementation under test: {implementation.name} ({path})"

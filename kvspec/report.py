@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``prog: message``) and exit 2, as every kvspec command's."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
 
 
 def format_cell(value: Any) -> str:

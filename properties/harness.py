@@ -42,10 +42,11 @@ that break ``known`` ones (a verdict's reruns look past what it has found).
 
 from __future__ import annotations
 
-import importlib
-import os
+import sys
+import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar, TypeVar
 
@@ -56,56 +57,45 @@ from hypothesis.control import current_build_context
 from hypothesis.errors import Flaky, Unsatisfiable
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
+from kvspec.spec.components import DeclarationError
 from kvspec.spec.errors import InvalidOperation, KVSpecError, verdict
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import (
+    REGISTRY,
+    TIERS,
     Group,
     Invariant,
     InvariantViolation,
+    invariant_answer_not_changed_later,
     invariant_failed_operation_changes_nothing,
+    invariant_no_untyped_error,
     invariant_out_of_contract_call_rejected,
     invariant_result_matches_spec,
     invariant_verdict_matches_spec,
 )
 
-REFERENCE = "kvspec.impl:reference"
-ENVIRONMENT_VARIABLE = "KVSPEC_IMPL"
 EVERY_OPERATION = frozenset({"*"})  # spared: no out-of-contract call is sent
 OVERWRITTEN = -1  # what the caller writes over a list it has handed over: no token, block or id
+KVSPEC_SOURCES = (str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "spec"))
 
 M = TypeVar("M", bound="LockstepMachine")
 
 
-class BadImplementation(Exception):
-    """The ``module:factory`` given for the implementation under test is unusable."""
+class SafetyViolation(InvariantViolation):
+    """A finding filed under safety (each tier its own class, so that Hypothesis shrinks each apart)."""
 
 
-def load_implementation(path: str) -> Implementation:
-    """Import ``module:factory``, call it, and fill missing components from the reference."""
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise BadImplementation(f"expected module:factory, got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise BadImplementation(f"cannot import {module_name!r}: {error}") from None
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise BadImplementation(f"{module_name!r} has no callable {attribute!r}")
-    implementation = factory()
-    if not isinstance(implementation, Implementation):
-        raise BadImplementation(
-            f"{path} returned {type(implementation).__name__}, not spec.implementation.Implementation"
-        )
-    if path != REFERENCE:
-        implementation = implementation.complete_with(load_implementation(REFERENCE))
-    return implementation
+class CallerContractViolation(InvariantViolation):
+    """A finding filed under the caller contract."""
 
 
-def select(path: str | None) -> tuple[str, Implementation]:
-    """Choose the implementation under test: ``path``, else ``$KVSPEC_IMPL``, else the reference."""
-    path = path or os.environ.get(ENVIRONMENT_VARIABLE) or REFERENCE
-    return path, load_implementation(path)
+class ConventionViolation(InvariantViolation):
+    """A finding filed under the declared conventions."""
+
+
+VIOLATION_OF_TIER: Mapping[str, type[InvariantViolation]] = dict(
+    zip(TIERS, (SafetyViolation, CallerContractViolation, ConventionViolation), strict=True)
+)
 
 
 @attrs.frozen
@@ -114,6 +104,15 @@ class Answer:
 
     expected: Any
     actual: Any
+
+
+@attrs.frozen
+class Failure:
+    """One rule that did not hold during a step, before the step's finding is filed."""
+
+    invariant: Invariant
+    detail: str
+    operation: str
 
 
 class Subject:
@@ -143,30 +142,53 @@ class Subject:
         self, operation: str, *args: Any, judged_by: Invariant | None = invariant_result_matches_spec, note: str = ""
     ) -> Answer | None:
         """Run ``operation`` on both sides; None when it was refused (or, out of contract, not sent)."""
-        return self.machine.dispatch(self, operation, args, judged_by, note)
+        return self.machine._dispatch(self, operation, args, judged_by, note)
+
+
+@attrs.define
+class Statistics:
+    """What the runs of one bound machine saw (each bound machine has its own)."""
+
+    examples: int = 0
+    steps: int = 0
+    checks: Counter[Invariant] = attrs.field(factory=Counter)
+    checks_after_known: Counter[Invariant] = attrs.field(factory=Counter)  # made after a known finding
+    examples_after_known: int = 0
+    reached: list[frozenset[str]] = attrs.field(factory=list)  # the events of each example (bench_exploration)
+    operations: Counter[str] = attrs.field(factory=Counter)  # examples in which each operation was called
 
 
 class LockstepMachine(RuleBasedStateMachine):
-    """Base of every conformance machine; see the module docstring."""
+    """Base of every conformance machine; see the module docstring.
+
+    A machine says which components it builds (``uses``), which optional
+    operations it cannot run without (``requires``) and which layers' rules it
+    checks (``judges``); against an implementation that does not offer what it
+    requires it does not run.  Its rules reach optional operations through
+    ``offers`` (a rule's precondition).
+    """
 
     implementation: ClassVar[Implementation]
+    uses: ClassVar[frozenset[str]] = frozenset()  # the component kinds it builds
+    requires: ClassVar[Mapping[str, frozenset[str]]] = {}  # kind -> the optional operations it cannot run without
+    judges: ClassVar[tuple[str, ...]] = ()  # the spec layers whose rules it checks, its own first
     only: ClassVar[frozenset[Invariant] | None] = None
     known: ClassVar[frozenset[Invariant]] = frozenset()
     spared: ClassVar[frozenset[str]] = frozenset()  # operations whose out-of-contract calls are not sent
     recycles_buffers: ClassVar[bool] = True  # see "Buffer ownership" in the module docstring
-    last_steps: ClassVar[tuple[str, ...]] = ()
-    runs: ClassVar[int] = 0
-    steps_explored: ClassVar[int] = 0
-    checks: ClassVar[Counter[Invariant]]
-    reached: ClassVar[list[frozenset[str]]]  # the events of each example (the score: bench_exploration)
-    operations: ClassVar[Counter[str]]  # examples in which each operation was called
+    statistics: ClassVar[Statistics]
+    unoffered: ClassVar[frozenset[Invariant]] = frozenset()  # rules whose every needed operation is left out
 
     def __init__(self) -> None:
         super().__init__()
         self.steps: list[str] = []
-        self.buffers: list[list[Any]] = []  # lists handed over and overwritten, to carry the next call's
-        self.called: set[str] = set()
-        type(self).runs += 1
+        self._buffers: list[list[Any]] = []  # lists handed over and overwritten, to carry the next call's
+        self._answers: list[tuple[list[Any], list[Any], str, int]] = []  # answered list, caller's copy, call, step
+        self._failures: list[Failure] = []
+        self._steps_at_release: int | None = None  # calls recorded when the last step ended
+        self.after_known = False  # a known finding happened in this example: only safety is checked now
+        self._called: set[str] = set()
+        type(self).statistics.examples += 1
 
     @classmethod
     def bind(
@@ -179,9 +201,10 @@ class LockstepMachine(RuleBasedStateMachine):
     ) -> type[M]:
         """This machine against ``implementation``.
 
-        ``only``: check only these invariants.  ``known``: discard the examples that break these.
-        ``spared``: the operations whose out-of-contract calls are not sent (default: every one to an
-        implementation that trusts its caller, none to another).
+        ``only``: check only these invariants.  ``known``: findings already made; an example that breaks
+        one of them goes on checking safety alone (a known safety finding discards it).  ``spared``: the
+        operations whose out-of-contract calls are not sent (default: every one to an implementation that
+        trusts its caller, none to another).
         """
         if spared is None:
             spared = EVERY_OPERATION if implementation.conventions.trusts_caller else frozenset()
@@ -190,17 +213,31 @@ class LockstepMachine(RuleBasedStateMachine):
             "only": only,
             "known": known,
             "spared": spared,
+            "statistics": Statistics(),
+            "unoffered": frozenset(rule for rule in REGISTRY.values() if not offers_any(implementation, rule.needs)),
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
-            "checks": Counter(),
-            "reached": [],
-            "operations": Counter(),
         }
         return type(cls.__name__, (cls,), namespace)
+
+    @classmethod
+    def not_offered(cls, implementation: Implementation) -> str:
+        """Why this machine cannot run against ``implementation`` ("" when it can)."""
+        missing = [
+            f"{kind}.{operation}"
+            for kind, operations in cls.requires.items()
+            for operation in sorted(operations)
+            if not implementation.offers_operation(kind, operation)
+        ]
+        return f"not offered: needs {', '.join(missing)}" if missing else ""
 
     @property
     def conventions(self) -> Any:
         return self.implementation.conventions
+
+    def offers(self, kind: str, operation: str) -> bool:
+        """Whether the implementation under test offers ``kind``'s optional ``operation``."""
+        return self.implementation.offers_operation(kind, operation)
 
     def subject(
         self, name: str, spec: ModuleType | None, model: Any, impl: Any, snapshot: Callable[[], object] | None = None
@@ -209,39 +246,74 @@ class LockstepMachine(RuleBasedStateMachine):
 
     def record(self, text: str) -> None:
         self.steps.append(text)
-        type(self).steps_explored += 1
+        type(self).statistics.steps += 1
 
-    def check(self, rule: Invariant, *args: Any, operation: str = "") -> None:
-        """Evaluate ``rule`` on ``args``; raise if it does not hold (discard the example if it is known)."""
-        if self.only is not None and rule not in self.only:
+    # -- checking ---------------------------------------------------------------------
+
+    def check(self, rule: Invariant, *args: Any, operation: str = "", against_model: bool = False) -> None:
+        """Evaluate ``rule`` on ``args``; a failure is filed at the end of the step, under the highest tier.
+
+        ``against_model``: the arguments include the model's expectation, which stops meaning anything once
+        the example has broken a known rule (the model and the implementation have parted).
+        """
+        if (self.only is not None and rule not in self.only) or rule in self.unoffered:
             return
-        type(self).checks[rule] += 1
+        if self.after_known and (rule.tier != "safety" or against_model):
+            return
+        statistics = type(self).statistics
+        (statistics.checks_after_known if self.after_known else statistics.checks)[rule] += 1
         problem = rule(*args)
-        if problem is None:
-            return
-        if rule in self.known:
-            assume(False)
-        raise InvariantViolation(rule, problem, operation)
+        if problem is not None:
+            self._failures.append(Failure(rule, problem, operation))
 
     def check_group(self, group: Group, *args: Any) -> None:
         for rule, arguments in group.evaluations(*args):
             self.check(rule, *arguments)
 
-    def dispatch(
+    def check_invariants(self, settings: Settings, output: Callable[[str], None], runtimes: Any) -> None:
+        """Hypothesis's end of a step: the machine's invariants, then the step's finding, if any, is filed."""
+        super().check_invariants(settings, output, runtimes)
+        self._release_answers()
+        self._file_findings()
+
+    def _file_findings(self) -> None:
+        """Raise the step's finding under the highest tier that failed, naming the others as consequences.
+
+        When every rule that failed is already known: a known safety finding discards the example (its
+        state is past the rules still to find); any other goes on checking safety alone.
+        """
+        failures, self._failures = self._failures, []
+        fresh = [f for f in failures if f.invariant not in self.known]
+        if not fresh:
+            if any(f.invariant.tier == "safety" for f in failures):
+                assume(False)
+            if failures and not self.after_known:
+                self.after_known = True
+                type(self).statistics.examples_after_known += 1
+                event("broke a known rule: checking safety alone from here")
+            return
+        top = min(fresh, key=lambda f: TIERS.index(f.invariant.tier))
+        consequences = tuple((f.invariant, f.detail) for f in failures if f is not top)
+        cls = VIOLATION_OF_TIER[top.invariant.tier]
+        raise cls(top.invariant, top.detail, top.operation, consequences, tuple(self.steps))
+
+    # -- one call on both sides ---------------------------------------------------------
+
+    def _dispatch(
         self, subject: Subject, operation: str, args: tuple[Any, ...], judged_by: Invariant | None, note: str
     ) -> Answer | None:
         """One call on both sides, checked; see the module docstring."""
         label = f"{subject.name}.{operation}({', '.join(map(repr, args))})" + (f"  # {note}" if note else "")
-        self.called.add(operation)
+        self._called.add(operation)
         subjects = [subject, *(arg for arg in args if isinstance(arg, Subject))]
         lent: list[list[Any]] = []
-        impl_args = [arg.impl if isinstance(arg, Subject) else self.lend(arg, lent) for arg in args]
+        impl_args = [arg.impl if isinstance(arg, Subject) else self._lend(arg, lent) for arg in args]
         if subject.spec is None:
             self.record(label)
             try:
-                return Answer(None, self.take_back(getattr(subject.impl, operation)(*impl_args)))
+                return Answer(None, self._take_back(getattr(subject.impl, operation)(*impl_args), label))
             finally:
-                self.overwrite(lent)
+                self._overwrite(lent)
         try:
             model_args = [arg.model if isinstance(arg, Subject) else arg for arg in args]
             result, spec_error = getattr(subject.spec, operation)(subject.model, *model_args), None
@@ -249,7 +321,7 @@ class LockstepMachine(RuleBasedStateMachine):
             result, spec_error = None, error
         out_of_contract = isinstance(spec_error, InvalidOperation)
         if out_of_contract and (self.spared == EVERY_OPERATION or operation in self.spared):
-            self.overwrite(lent)
+            self._overwrite(lent)
             return None
         self.record(label)
 
@@ -259,61 +331,105 @@ class LockstepMachine(RuleBasedStateMachine):
         before = snapshots()
         try:
             actual, impl_error = getattr(subject.impl, operation)(*impl_args), None
-        except Exception as error:  # an untyped error is a verdict too: the wrong one
+        except Exception as error:  # an untyped error is a verdict too: a crash
             actual, impl_error = None, error
-        self.overwrite(lent)
-        actual = self.take_back(actual)
+        self._overwrite(lent)
+        actual = self._take_back(actual, label)
+        self._watch_answers(label)
         if out_of_contract:
-            rejected = (verdict(spec_error), verdict(impl_error), before, snapshots())
+            answered = verdict(impl_error) if typed(impl_error) else crash_report(impl_error)
+            rejected = (verdict(spec_error), answered, before, snapshots())
             self.check(invariant_out_of_contract_call_rejected, *rejected, operation=operation)
             event(f"{operation} out of contract, rejected")
+            return Answer(actual, actual) if impl_error is None and self.after_known else None
+        if not typed(impl_error):
+            self.check(invariant_no_untyped_error, crash_report(impl_error), operation=operation)
             return None
         self.check(invariant_verdict_matches_spec, verdict(spec_error), verdict(impl_error))
         if impl_error is not None:
             event(f"{operation} rejected with {verdict(impl_error)}")
             self.check(invariant_failed_operation_changes_nothing, before, snapshots())
             return None
-        if spec_error is not None:  # the verdicts differ, and only other invariants are checked
-            return None
+        if spec_error is not None:  # the verdicts differ: after a known finding the caller follows the implementation
+            return Answer(actual, actual) if self.after_known else None
         states, expected = split_result(result, [s.model for s in subjects])
         for s, state in zip(subjects, states, strict=True):
             s.model = state
         if judged_by is not None:
-            self.check(judged_by, expected, actual)
+            self.check(judged_by, expected, actual, against_model=True)
         return Answer(expected, actual)
 
-    def lend(self, value: Any, lent: list[list[Any]]) -> Any:
+    # -- buffer ownership ---------------------------------------------------------------
+
+    def _lend(self, value: Any, lent: list[list[Any]]) -> Any:
         """``value`` as the implementation gets it: each list (in lists and tuples too) in a reused buffer."""
         if not self.recycles_buffers or not isinstance(value, list | tuple):
             return value
-        items = [self.lend(item, lent) for item in value]
+        items = [self._lend(item, lent) for item in value]
         if isinstance(value, tuple):
             return tuple(items)
-        if self.buffers:
+        if self._buffers:
             event("caller recycled a list it had handed over")
-        buffer = self.buffers.pop() if self.buffers else []
+        buffer = self._buffers.pop() if self._buffers else []
         buffer[:] = items
         lent.append(buffer)
         return buffer
 
-    def overwrite(self, lent: list[list[Any]]) -> None:
+    def _overwrite(self, lent: list[list[Any]]) -> None:
         """The caller reuses what it handed over: every item overwritten, each buffer kept for the next call."""
         for buffer in lent:
             buffer[:] = [OVERWRITTEN] * len(buffer)
-        self.buffers += reversed(lent)
+        self._buffers += reversed(lent)
 
-    def take_back(self, answer: Any) -> Any:
-        """The caller's copy of an answered list; the list itself is overwritten, as the caller may."""
+    def _take_back(self, answer: Any, call: str) -> Any:
+        """The caller's copy of an answered list; the list itself is watched until the next step ends."""
         if not self.recycles_buffers or type(answer) is not list:
             return answer
         mine = list(answer)
-        answer[:] = [OVERWRITTEN] * len(answer)
+        self._answers.append((answer, list(answer), call, len(self.steps)))
         return mine
 
+    def _watch_answers(self, by: str) -> None:
+        for answered, kept, call, _ in self._answers:
+            self.check(invariant_answer_not_changed_later, answered, kept, call, by)
+
+    def _release_answers(self) -> None:
+        """A step is over: the caller reuses the lists it was answered before it, as buffers of its next calls."""
+        step = len(self.steps)
+        if self._steps_at_release is not None:
+            for answered, _, _, at in self._answers:
+                if at <= self._steps_at_release:
+                    answered[:] = [OVERWRITTEN] * len(answered)
+                    self._buffers.append(answered)
+            self._answers = [entry for entry in self._answers if entry[3] > self._steps_at_release]
+        self._steps_at_release = step
+
     def teardown(self) -> None:
-        type(self).last_steps = tuple(self.steps)
-        type(self).operations.update(self.called)
-        type(self).reached.append(frozenset(map(str, getattr(current_build_context().data, "events", {}))))
+        statistics = type(self).statistics
+        statistics.operations.update(self._called)
+        statistics.reached.append(frozenset(map(str, getattr(current_build_context().data, "events", {}))))
+        in_flight = sys.exc_info()[1]  # what ended the example, if it did not end well
+        if self._failures and not isinstance(in_flight, InvariantViolation):
+            self._file_findings()  # the rules that failed before the step crashed are its finding
+        if self.after_known and isinstance(in_flight, Exception) and not isinstance(in_flight, InvariantViolation):
+            assume(False)  # past a known finding the machine follows a model that has parted: spare the example
+
+
+def offers_any(implementation: Implementation, needs: tuple[str, ...]) -> bool:
+    """Whether ``implementation`` offers one of ``needs`` ("kind.operation"); a rule that needs nothing, yes."""
+    return not needs or any(implementation.offers_operation(*need.split(".", 1)) for need in needs)
+
+
+def typed(error: BaseException | None) -> bool:
+    return error is None or isinstance(error, KVSpecError)
+
+
+def crash_report(error: BaseException | None) -> str:
+    """An untyped error as a finding states it: class, message and the frame that raised it."""
+    assert error is not None
+    frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+    where = f" at {frame.filename}:{frame.lineno} in {frame.name}" if frame else ""
+    return f"{type(error).__name__}: {error}{where}"
 
 
 def split_result(result: Any, models: list[Any]) -> tuple[list[Any], Any]:
@@ -375,28 +491,32 @@ def conformance_test(machine: type[LockstepMachine], examples: float = 1.0) -> C
 
 @attrs.frozen
 class Finding:
-    """One violated invariant: what broke, on which call, and the shrunk sequence that shows it."""
+    """One finding: the rule that broke (None: kvspec's own machine failed), on which call, and how."""
 
-    invariant: Invariant | None  # None: the machine itself failed (an uncaught error)
+    invariant: Invariant | None
     detail: str
     operation: str
     steps: tuple[str, ...]
+    consequences: tuple[tuple[Invariant, str], ...] = ()
+
+    @property
+    def tier(self) -> str:
+        return self.invariant.tier if self.invariant else "harness"
 
 
 @attrs.frozen
 class Outcome:
-    """One run of one machine against one implementation: its first finding (if any) and what it checked."""
+    """One run of one machine against one implementation: its findings (one per tier at most), what it checked."""
 
     machine: str
-    finding: Finding | None
-    runs: int
-    steps_explored: int
-    checks: dict[Invariant, int]
-    unsatisfiable: bool = False  # every example broke a known invariant: nothing more could be reached
+    findings: tuple[Finding, ...]
+    statistics: Statistics
+    unsatisfiable: bool = False  # every example broke a known safety rule: nothing more could be reached
 
     @property
-    def held(self) -> bool:
-        return self.finding is None
+    def finding(self) -> Finding | None:
+        """The finding of the highest tier, if any."""
+        return min(self.findings, key=lambda f: (TIERS + ("harness",)).index(f.tier), default=None)
 
 
 def run_machine(
@@ -408,25 +528,43 @@ def run_machine(
     known: frozenset[Invariant] = frozenset(),
     spared: frozenset[str] | None = None,
 ) -> Outcome:
-    """Run ``machine`` against ``implementation``; its first invariant violated, shrunk."""
+    """Run ``machine`` against ``implementation``; each tier's finding shrunk on its own.
+
+    Raises ``DeclarationError`` when a component could not be built: the adapter's error, not a finding.
+    """
     bound = machine.bind(implementation, only=only, known=known, spared=spared)
     settings = conformance_settings(settings)
     phases = [phase for phase in settings.phases if phase is not Phase.explain]  # slow, and adds nothing here
-    settings = Settings(settings, report_multiple_bugs=False, phases=phases)
-    finding, unsatisfiable = None, False
+    settings = Settings(settings, report_multiple_bugs=True, phases=phases)
+    errors: list[BaseException] = []
+    unsatisfiable = False
     try:
         run_state_machine_as_test(bound, settings=settings)
-    except InvariantViolation as violation:
-        finding = Finding(violation.invariant, violation.detail, violation.operation, bound.last_steps)
     except Unsatisfiable:
         unsatisfiable = True
+    except BaseExceptionGroup as group:
+        errors = list(leaves(group))
     except (Flaky, Exception) as error:
-        finding = Finding(None, f"{type(error).__name__}: {error}", "", bound.last_steps)
-    return Outcome(
-        machine=machine.__name__,
-        finding=finding,
-        runs=bound.runs,
-        steps_explored=bound.steps_explored,
-        checks=dict(bound.checks),
-        unsatisfiable=unsatisfiable,
-    )
+        errors = [error]
+    build_errors = [error for error in errors if isinstance(error, DeclarationError)]
+    if build_errors:
+        raise build_errors[0]
+    return Outcome(machine.__name__, tuple(finding_of(error) for error in errors), bound.statistics, unsatisfiable)
+
+
+def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    found: list[BaseException] = []
+    for error in group.exceptions:
+        found += leaves(error) if isinstance(error, BaseExceptionGroup) else [error]
+    return found
+
+
+def finding_of(error: BaseException) -> Finding:
+    """A finding from what ended a failing example: a violation, a crash of the implementation, or of kvspec."""
+    if isinstance(error, InvariantViolation):
+        return Finding(error.invariant, error.detail, error.operation, error.steps, error.consequences)
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+    innermost = frames[-1].filename if frames else ""
+    if innermost and not str(Path(innermost).resolve()).startswith(KVSPEC_SOURCES):
+        return Finding(invariant_no_untyped_error, crash_report(error), "", ())  # the implementation crashed
+    return Finding(None, crash_report(error), "", ())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from hypothesis import event
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, consumes, initialize, invariant, multiple, rule
+from hypothesis.stateful import Bundle, consumes, initialize, invariant, multiple, precondition, rule
 
 from kvspec.properties.harness import LockstepMachine, Subject, conformance_test
 from kvspec.spec import block_manager as model
@@ -31,6 +31,8 @@ OPERATIONS = st.sampled_from(["append", "fork", "free", "read"])
 
 
 class BlockManagerMachine(LockstepMachine):
+    uses = frozenset({"block_pool", "block_manager"})
+    judges = ("block_manager", "block_pool", "invariants")
     seqs = Bundle("seqs")
     freed = Bundle("freed")
     gpu_sizes = st.integers(1, 8)
@@ -134,12 +136,14 @@ class BlockManagerMachine(LockstepMachine):
     def append(self, seq: int, tokens: list[int]) -> None:
         self.extend(seq, tokens)
 
+    @precondition(lambda self: self.offers("block_manager", "fork"))
     @rule(target=seqs, parent=seqs, data=st.data())
     def fork(self, parent: int, data: st.DataObject):
         revisited = self.revisit(data, self.where.get(parent, "gpu"))
         child = self.fork_of(parent)
         return multiple(*revisited, *([] if child is None else [child]))
 
+    @precondition(lambda self: self.offers("block_manager", "fork"))
     @rule(target=seqs, prompt=PROMPTS, n=st.integers(2, 4), data=st.data())
     def parallel_sampling(self, prompt: list[int], n: int, data: st.DataObject):
         """Lecture exercise 4: a prompt, n - 1 forks of it, then each of the n samples writes a token."""
@@ -171,6 +175,7 @@ class BlockManagerMachine(LockstepMachine):
     def read(self, seq: int) -> None:
         self.device_of(seq)("read", seq)
 
+    @precondition(lambda self: self.offers("block_manager", "swap"))
     @rule(group=st.lists(seqs, unique=True, min_size=1, max_size=3))
     def move_group(self, group: list[int]) -> None:
         source = self.device_of(group[0])
@@ -190,6 +195,8 @@ class BlockManagerMachine(LockstepMachine):
 
     @rule(seq=freed, operation=OPERATIONS, device=DEVICES)
     def use_after_free(self, seq: int, operation: str, device: str) -> None:
+        if operation == "fork" and not self.offers("block_manager", "fork"):
+            operation = "read"
         arguments = {"append": (seq, [1]), "fork": (seq, -1), "free": (seq,), "read": (seq,)}
         self.devices[device](operation, *arguments[operation], note="freed")
 

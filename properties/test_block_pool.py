@@ -24,6 +24,8 @@ HASHES = st.sampled_from([f"h{i}" for i in range(6)])
 
 
 class BlockPoolMachine(LockstepMachine):
+    uses = frozenset({"block_pool"})
+    judges = ("block_pool", "invariants")
     capacities = st.integers(1, 8)
 
     @initialize(data=st.data())

@@ -22,6 +22,8 @@ from kvspec.spec.contiguous import PLACEMENTS, RESERVATIONS, Reservation
 
 
 class ContiguousMachine(LockstepMachine):
+    uses = frozenset({"contiguous_allocator"})
+    judges = ("contiguous", "invariants")
     capacities = st.integers(1, 24)
     max_lengths = st.integers(2, 12)
 

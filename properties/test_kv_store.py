@@ -42,6 +42,8 @@ def document_blocks(document: Tokens) -> list[tuple[Key, Tokens]]:
 
 
 class KVStoreMachine(LockstepMachine):
+    uses = frozenset({"kv_store"})
+    judges = ("kv_store", "invariants")
     node_counts = st.sampled_from([1, 2, 2, 3, 3])  # replicas and faults need company
     capacities = st.integers(1, 3)
 
@@ -51,16 +53,18 @@ class KVStoreMachine(LockstepMachine):
         capacities = tuple(data.draw(self.capacities, label=f"{tier} capacity") for tier in TIERS)
         policies = tuple(data.draw(st.sampled_from(POLICIES), label=f"{tier} policy") for tier in TIERS)
         self.record(f"store = kv_store(nodes={nodes}, capacities={capacities}, policies={policies})")
-        factory = self.implementation.kv_store
-        assert factory is not None, "complete_with fills every layer from the reference"
-        store = factory(nodes, capacities, policies)
+        store = self.implementation.component("kv_store")(nodes, capacities, policies)
         self.store = self.subject("store", model, model.new_store(nodes, capacities, policies), store)
         self.written: dict[Key, Tokens] = {}
         self.lost_in_fault: set[Key] = set()
         self.refused: tuple[Callable[..., Any], tuple[Any, ...]] | None = None  # the put, get or replication
         self.served: set[Tokens] = set()
         # Most runs start with a hot block on two nodes: replicas are rare otherwise, and stale ones hide there.
-        if nodes > 1 and data.draw(st.integers(0, 7), label="start with a replicated block (unless 0)"):
+        if (
+            nodes > 1
+            and self.offers("kv_store", "replicate")
+            and data.draw(st.integers(0, 7), label="start with a replicated block (unless 0)")
+        ):
             key, tokens = data.draw(KEYS, label="key"), data.draw(CONTENTS, label="tokens")
             if self._put(0, key, tokens):
                 self._replicate(key, 0, 1)
@@ -203,6 +207,7 @@ class KVStoreMachine(LockstepMachine):
     def evict(self, node: int, tier: int) -> None:
         self._op("evict", node, tier)
 
+    @precondition(lambda self: self.offers("kv_store", "replicate"))
     @rule(data=st.data(), key=KEYS)
     def replicate(self, data: st.DataObject, key: Key) -> None:
         """Mostly a block some node holds (hot-spot replication), else any key."""
@@ -219,7 +224,7 @@ class KVStoreMachine(LockstepMachine):
         live = [n for n, up in enumerate(self.store.model.alive) if up]
         return [(k, n, t) for n, k in self.held() for t in live if (t, k) not in self.store.model.copies]
 
-    @precondition(lambda self: self.replicable())
+    @precondition(lambda self: self.offers("kv_store", "replicate") and self.replicable())
     @rule(data=st.data(), tokens=CONTENTS, rewrite=st.booleans())
     def replicate_held(self, data: st.DataObject, tokens: Tokens, rewrite: bool) -> None:
         """Hot-spot replication of a held block, then often a re-put on one replica: replicas are rare
@@ -251,12 +256,13 @@ class KVStoreMachine(LockstepMachine):
         if self._op("unpin", node, key)[0]:
             self.retry_refused()
 
+    @precondition(lambda self: self.offers("kv_store", "node_faults"))
     @rule(data=st.data())
     def fail(self, data: st.DataObject) -> None:
         """A node fault: the node's tiers vanish; nothing else may change."""
         self._fail(data.draw(st.integers(0, len(self.store.model.alive) - 1), label="node"))
 
-    @precondition(lambda self: self.store.model.copies)
+    @precondition(lambda self: self.offers("kv_store", "node_faults") and self.store.model.copies)
     @rule()
     def fail_busiest(self) -> None:
         """A fault where it hurts: the node holding the most blocks."""
@@ -278,6 +284,7 @@ class KVStoreMachine(LockstepMachine):
         if only_there:
             event("node fault lost the last copy of a block")
 
+    @precondition(lambda self: self.offers("kv_store", "node_faults"))
     @rule(data=st.data())
     def restart(self, data: st.DataObject) -> None:
         """Mostly a failed node (so that faults do not leave no one to replicate to), else any."""

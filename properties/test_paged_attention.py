@@ -49,6 +49,12 @@ SEQS = st.integers(0, SLOTS - 1)
 
 
 class PagedAttentionMachine(LockstepMachine):
+    uses = frozenset({"tiny_model", "block_pool", "block_manager", "paged_kv_cache", "contiguous_kv_cache"})
+    judges = ("paged_attention", "block_manager", "block_pool", "invariants")
+
+    def forks(self) -> bool:
+        return self.offers("paged_kv_cache", "fork") and self.offers("block_manager", "fork")
+
     @initialize(block_size=BLOCK_SIZES, slack=st.integers(-1, 2))
     def start(self, block_size: int, slack: int) -> None:
         capacity = max(1, TOKEN_BUDGET // block_size + slack)
@@ -131,6 +137,7 @@ class PagedAttentionMachine(LockstepMachine):
             entries.append((seq, prompt))
         return entries
 
+    @precondition(forks)
     @rule(parent=SEQS, child=SEQS)
     def fork(self, parent: int, child: int) -> None:
         self.fork_both(parent, child)
@@ -143,7 +150,7 @@ class PagedAttentionMachine(LockstepMachine):
         self.deepest_fork = max(self.deepest_fork, self.generation[child])
         return True
 
-    @precondition(lambda self: self.paged.model.tables)
+    @precondition(lambda self: self.paged.model.tables and self.forks())
     @rule(slot=SEQS, tokens=st.lists(TOKENS, min_size=2, max_size=4))
     def parallel_sampling(self, slot: int, tokens: list[int]) -> None:
         """The parent goes on as sample 0 beside its forks: the first writer copies on write."""
@@ -151,7 +158,7 @@ class PagedAttentionMachine(LockstepMachine):
         samples = [parent] + [child for child in self.free_slots()[: len(tokens) - 1] if self.fork_both(parent, child)]
         self.admit_and_forward([(seq, [token]) for seq, token in zip(samples, tokens, strict=False)])
 
-    @precondition(lambda self: self.paged.model.tables)
+    @precondition(lambda self: self.paged.model.tables and self.forks())
     @rule(
         slots=st.lists(SEQS, min_size=1, max_size=MAX_BEAM),
         tokens=st.lists(TOKENS, min_size=MAX_BEAM, max_size=MAX_BEAM),

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 from hypothesis import event
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 from kvspec.properties.harness import LockstepMachine, Subject, conformance_test
 from kvspec.spec import block_manager, block_pool, paged_attention
@@ -65,6 +65,12 @@ def forgotten(before: block_pool.Pool, after: block_pool.Pool) -> int:
 
 
 class PagedLifecycleMachine(LockstepMachine):
+    uses = frozenset({"tiny_model", "block_pool", "prefix_caching_manager", "paged_kv_cache", "contiguous_kv_cache"})
+    judges = ("paged_attention", "prefix_cache", "block_manager", "block_pool", "invariants")
+
+    def offers_both(self, operation: str) -> bool:
+        return self.offers("paged_kv_cache", operation) and self.offers("prefix_caching_manager", operation)
+
     @initialize(
         block_size=BLOCK_SIZES, slack=st.integers(-1, 2), cpu_share=st.sampled_from([0.25, 0.5, 1.0]), data=st.data()
     )
@@ -128,11 +134,13 @@ class PagedLifecycleMachine(LockstepMachine):
                 return None
             computed = tokens
         else:
+            pool_before = self.gpu.snapshot().pool
             answer = self.gpu("add_sequence", seq, list(tokens), judged_by=None)
             if answer is None:
                 return None
             size, cached = self.block_size, answer.actual
-            self.check(model.invariant_hits_stop_at_first_miss, answer.expected.cached_tokens // size, cached, size)
+            hashes = self.gpu.impl.manager.block_hashes(list(tokens))
+            self.check(model.invariant_hits_stop_at_first_miss, pool_before, hashes, cached, size)
             hits = cached // size
             event(f"{why}: hit of {hits if hits < 4 else '4+'} blocks")
             computed = tokens[cached:]
@@ -216,6 +224,7 @@ class PagedLifecycleMachine(LockstepMachine):
             entries.append((seq, prompt))
         return entries
 
+    @precondition(lambda self: self.offers_both("fork"))
     @rule(parent=SEQS, child=SEQS)
     def fork(self, parent: int, child: int) -> None:
         """A fork shares every block; the next write of either side into a partial one copies on write."""
@@ -235,6 +244,7 @@ class PagedLifecycleMachine(LockstepMachine):
         if self.free_both(seq):
             self.forget(seq)
 
+    @precondition(lambda self: self.offers_both("swap"))
     @rule(slots=st.lists(SEQS, min_size=1, max_size=3))
     def swap_out(self, slots: list[int]) -> None:
         """A group leaves for the CPU, all or nothing; with nothing on the GPU the move must be rejected."""
@@ -243,6 +253,7 @@ class PagedLifecycleMachine(LockstepMachine):
             self.swapped.append(group)
             event(f"swap out: group of {len(group)}")
 
+    @precondition(lambda self: self.offers_both("swap"))
     @rule(index=st.integers(0, SLOTS - 1), token=TOKENS)
     def swap_in(self, index: int, token: int) -> None:
         """A group comes back to the GPU and decodes in the same iteration, as a scheduler resumes it."""

@@ -52,6 +52,8 @@ def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
 
 
 class PrefixCacheMachine(LockstepMachine):
+    uses = frozenset({"block_pool", "prefix_caching_manager"})
+    judges = ("prefix_cache", "block_manager", "block_pool", "invariants")
     capacities = st.integers(2, 6)
     block_sizes = st.integers(1, 3)
     commit_point: model.Commit = "on_fill"
@@ -124,9 +126,11 @@ class PrefixCacheMachine(LockstepMachine):
         after = self.manager.snapshot()
         size = self.block_size
         self.learn_sequence(seq)
-        self.check(model.invariant_hits_stop_at_first_miss, expected.cached_tokens // size, actual.cached_tokens, size)
-        hits = after.tables[seq][: actual.cached_tokens // size] if operation == "add_sequence" else ()
         prompt = self.manager.model.manager.tokens[seq]
+        if operation == "add_sequence":
+            hashes = self.manager.impl.block_hashes(prompt, self.manager.model.extra_keys[seq])
+            self.check(model.invariant_hits_stop_at_first_miss, before.pool, hashes, actual.cached_tokens, size)
+        hits = after.tables[seq][: actual.cached_tokens // size] if operation == "add_sequence" else ()
         self.check(model.invariant_hit_is_exact_prefix, before.pool, after.contents, hits, prompt, size)
         self.check(block_manager.invariant_copy_on_write_exact, expected.copies, actual.copies)
         allocated = [
@@ -252,6 +256,7 @@ class PrefixCacheMachine(LockstepMachine):
         extra_key = data.draw(st.one_of(NOT_EXTRA_KEYS, st.just(None)), label="extra key")
         self.write("add_sequence", seq, tokens, extra_key)
 
+    @precondition(lambda self: self.offers("prefix_caching_manager", "fork"))
     @rule(parent=SEQS, child=SEQS)
     def fork(self, parent: int, child: int) -> None:
         self.manager("fork", parent, child)
@@ -274,8 +279,8 @@ class PrefixCacheMachine(LockstepMachine):
         if answer is None:
             return
         size = self.block_size
-        self.learn(tuple(tokens), extra_key)
-        self.check(model.invariant_hits_stop_at_first_miss, len(answer.expected), len(answer.actual) * size, size)
+        hashes = self.learn(tuple(tokens), extra_key)
+        self.check(model.invariant_hits_stop_at_first_miss, before.pool, hashes, len(answer.actual) * size, size)
         self.check(model.invariant_hit_is_exact_prefix, before.pool, before.contents, answer.actual, tokens, size)
         free_queue = model.abstract(self.manager.model).pool.free_queue  # a lookup is not a use: no block moves
         self.check(block_pool.invariant_eviction_order, free_queue, self.manager.snapshot().pool.free_queue)
@@ -349,6 +354,7 @@ class DeferredCommitMachine(PrefixCacheMachine):
     """The same rules, blocks registered only after the forward, with aborts in between."""
 
     commit_point: model.Commit = "after_forward"
+    requires = {"prefix_caching_manager": frozenset({"deferred_commit"})}
 
 
 TestPrefixCache = conformance_test(PrefixCacheMachine)

@@ -44,6 +44,8 @@ def drawn_key(data: st.DataObject, earlier: list[tuple[int, ...]], *, min_size: 
 
 
 class RadixCacheMachine(LockstepMachine):
+    uses = frozenset({"radix_cache"})
+    judges = ("radix_cache", "block_pool", "invariants")
     running = Bundle("running")  # (key, extra key) of each running request: what it holds locked
 
     @initialize()
@@ -111,11 +113,14 @@ class RadixCacheMachine(LockstepMachine):
 
     def match(self, key: list[int]) -> int:
         """Match ``key`` on both sides; the number of tokens that hit."""
-        answer = self.radix(
-            "match_prefix", key, *self.namespace(self.extra_key), judged_by=model.invariant_radix_match_is_longest
-        )
+        before = self.radix.snapshot()
+        answer = self.radix("match_prefix", key, *self.namespace(self.extra_key))
         if answer is None:
             return 0
+        radix = self.conventions.radix
+        page = len(key) - len(key) % radix.page_size
+        named = model.name_tokens(key[:page], radix.page_size, self.extra_key)
+        self.check(model.invariant_radix_match_is_longest, before, named, answer.actual)
         event("radix hit" if answer.actual else "radix miss")
         return len(answer.actual)
 
@@ -179,6 +184,9 @@ class RadixCacheMachine(LockstepMachine):
 
 class RadixAgreesWithChainedHashMachine(LockstepMachine):
     """A radix cache and a chained-hash manager with room to spare serve the same requests."""
+
+    uses = frozenset({"radix_cache", "block_pool", "prefix_caching_manager"})
+    judges = ("radix_cache",)
 
     @initialize(block_size=st.integers(1, 4))
     def start(self, block_size: int) -> None:

@@ -40,6 +40,9 @@ def documents(page_size: int) -> tuple[tuple[int, ...], ...]:
 
 
 class RadixPagesMachine(LockstepMachine):
+    uses = frozenset({"radix_page_manager"})
+    judges = ("radix_pages", "radix_cache", "invariants")
+
     @initialize(page_size=st.sampled_from([2, 4, 3]), num_pages=st.integers(5, 10))
     def start(self, page_size: int, num_pages: int) -> None:
         self.record(f"pages = radix_page_manager(num_pages={num_pages}, page_size={page_size})")

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import attrs
 from hypothesis import event, target
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import admission, block_manager, block_pool, preemption, prefix_cache
@@ -58,6 +58,9 @@ GPU_BLOCKS, WATERMARKS = st.integers(3, 8), st.integers(0, 2)
 
 class SchedulerMachineBase(LockstepMachine):
     """Builds the scheduler under test and checks every invariant that needs no model."""
+
+    uses = frozenset({"block_pool", "block_manager", "scheduler"})
+    judges = ("scheduler", "scheduler_model", "preemption", "admission", "block_manager", "block_pool", "invariants")
 
     preemption: ClassVar[Preemption] = "recompute"
     policy: ClassVar[QueuePolicy] = "fcfs"
@@ -98,10 +101,12 @@ class SchedulerMachineBase(LockstepMachine):
         """Sizes in blocks, so that two or three requests overfill the GPU and preemption is common."""
         prompt = self.draw_prompt(data)
         max_new_tokens = data.draw(st.integers(1, 3 * self.sizes[2]), label="max_new_tokens")
-        n = data.draw(self.samples, label="n")
+        manager = "prefix_caching_manager" if self.caching else "block_manager"
+        n = data.draw(self.samples if self.offers(manager, "fork") else st.just(1), label="n")
         priority = data.draw(self.priorities, label="priority")
+        readiness = self.readiness if self.offers("scheduler", "not_ready") else st.just(True)
         self.next_id += 1
-        return Request(self.next_id, prompt, max_new_tokens, n, priority, data.draw(self.readiness, label="ready"))
+        return Request(self.next_id, prompt, max_new_tokens, n, priority, data.draw(readiness, label="ready"))
 
     def accepted(self, request: Request, state: SchedulerState) -> None:
         self.arrivals[request.request_id] = (state.steps, len(state.groups))
@@ -244,7 +249,7 @@ class SchedulerMachine(SchedulerMachineBase):
             answer = self.scheduler("step", judged_by=None)
             if answer is None:
                 return
-            self.check(admission.invariant_hits_probed_at_admission, answer.expected, answer.actual)
+            self.check(admission.invariant_hits_probed_at_admission, answer.expected, answer.actual, against_model=True)
             self.check(invariant_result_matches_spec, answer.expected, answer.actual)
             self.stepped(before, answer.actual)
             expected = model.abstract(self.scheduler.model)
@@ -279,6 +284,7 @@ class SwapSchedulerMachine(SchedulerMachine):
 
     preemption: ClassVar[Preemption] = "swap"
     samples: ClassVar[st.SearchStrategy[int]] = st.sampled_from([2, 3, 1])
+    requires = {"scheduler": frozenset({"swap_preemption"}), "block_manager": frozenset({"swap"})}
 
 
 def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
@@ -299,17 +305,20 @@ class CachedSchedulerMachine(SchedulerMachine):
 
     caching: ClassVar[bool] = True
     readiness: ClassVar[st.SearchStrategy[bool]] = st.sampled_from([True, True, False])
+    uses = frozenset({"block_pool", "prefix_caching_manager", "scheduler"})
+    requires = {"scheduler": frozenset({"prefix_caching"})}
 
     @initialize(
         **SIZES,
         gpu_blocks=st.integers(4, 10),
         watermark=st.sampled_from([0, 1, 0, 2]),  # vLLM keeps 1 % of the GPU: no block of a pool this small
-        preemption=st.sampled_from(["recompute", "swap"]),
+        swaps=st.booleans(),
     )
-    def start(
-        self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int, preemption: Preemption | None = None
+    def start(  # type: ignore[override]
+        self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int, swaps: bool
     ) -> None:
-        super().start(gpu_blocks, cpu_blocks, block_size, watermark, preemption)
+        swaps = swaps and self.offers("scheduler", "swap_preemption") and self.offers("prefix_caching_manager", "swap")
+        super().start(gpu_blocks, cpu_blocks, block_size, watermark, "swap" if swaps else "recompute")
         self.gpu = self.subject("gpu", prefix_cache, self.scheduler.model.gpu, self.scheduler.impl.gpu)
 
     def draw_prompt(self, data: st.DataObject) -> tuple[int, ...]:
@@ -332,6 +341,7 @@ class CachedSchedulerMachine(SchedulerMachine):
             event("cache trimmed while a request waits")
         self.step(then_steps)
 
+    @precondition(lambda self: self.offers("scheduler", "not_ready"))
     @rule(index=st.integers(0, 4), then_steps=st.integers(0, 2))
     def mark_ready(self, index: int, then_steps: int) -> None:
         """A request not ready gets its remote KV (often); a ready or unknown one is out of contract."""
@@ -345,6 +355,7 @@ class PrioritySchedulerMachine(CachedSchedulerMachine):
     """The priority policy over the cache: a victim may have arrived first and hold its grant already."""
 
     policy: ClassVar[QueuePolicy] = "priority"
+    requires = {"scheduler": frozenset({"prefix_caching", "priority"})}
     priorities: ClassVar[st.SearchStrategy[int]] = st.integers(0, 2)
 
 

@@ -68,6 +68,16 @@ class KVBackedManager:
 class PagedLogitsSchedulerMachine(SwapSchedulerMachine):
     """The swap scheduler over paged KV caches; every step's GPU writes computed and compared with a twin."""
 
+    uses = frozenset(
+        {"block_pool", "block_manager", "scheduler", "tiny_model", "paged_kv_cache", "contiguous_kv_cache"}
+    )
+    requires = {
+        "scheduler": frozenset({"swap_preemption"}),
+        "block_manager": frozenset({"swap"}),
+        "paged_kv_cache": frozenset({"swap"}),
+    }
+    judges = ("paged_attention", *SwapSchedulerMachine.judges)
+
     def device(self, capacity: int, block_size: int) -> KVBackedManager:
         impl = self.implementation
         if not hasattr(self, "tiny"):

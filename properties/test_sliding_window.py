@@ -22,15 +22,18 @@ COUNTS = st.one_of(st.integers(0, 9), st.integers(-1, 0))
 
 
 class SlidingWindowMachine(LockstepMachine):
+    uses = frozenset({"block_pool", "sliding_window_manager"})
+    judges = ("sliding_window", "block_pool", "invariants")
+
     @initialize(capacity=st.integers(1, 8), block_size=st.integers(1, 3), blocks=st.integers(1, 3), data=st.data())
     def start(self, capacity: int, block_size: int, blocks: int, data: st.DataObject) -> None:
         window = data.draw(st.integers(max(1, (blocks - 1) * block_size), blocks * block_size), label="window")
         policy = data.draw(st.sampled_from(self.conventions.pool.policies), label="policy")
         self.record(f"windows = sliding_window_manager(capacity={capacity}, block_size={block_size}, window={window})")
         spec = model.new_windows(block_size, window, block_pool.new_pool(capacity, policy, self.conventions.pool))
-        factory = self.implementation.sliding_window_manager
-        assert factory is not None, "complete_with fills every layer from the reference"
-        impl = factory(self.implementation.block_pool(capacity, policy), block_size, window)  # type: ignore[misc]
+        impl = self.implementation.component("sliding_window_manager")(
+            self.implementation.component("block_pool")(capacity, policy), block_size, window
+        )
         self.windows = self.subject("windows", model, spec, impl)
         self.refused: tuple[str, int, int] | None = None
 

@@ -35,6 +35,10 @@ NODE = 0  # the store node the device swaps to
 
 
 class TieredSwapMachine(LockstepMachine):
+    uses = frozenset({"block_pool", "block_manager", "kv_store"})
+    requires = {"block_manager": frozenset({"tiered_swap_in"})}
+    judges = ("block_manager", "kv_store", "block_pool", "invariants")
+
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
         blocks = data.draw(st.integers(3, 8), label="device blocks")
@@ -47,12 +51,11 @@ class TieredSwapMachine(LockstepMachine):
             f"store = kv_store(nodes=1, capacities={capacities}); tier blocks of {factor * block_size} tokens"
         )
         impl = self.implementation
-        assert impl.block_manager is not None and impl.kv_store is not None, "complete_with fills every layer"
         pool = block_pool.new_pool(blocks, policy, self.conventions.pool)
-        manager = impl.block_manager(impl.block_pool(blocks, policy), block_size)
+        manager = impl.component("block_manager")(impl.component("block_pool")(blocks, policy), block_size)
         self.device = self.subject("device", model, model.new_manager(block_size, pool), manager)
         policies: tuple[Policy, ...] = ("lru", "lru", "lru")
-        store = impl.kv_store(1, capacities, policies)
+        store = impl.component("kv_store")(1, capacities, policies)
         self.store = self.subject("store", kv_store, kv_store.new_store(1, capacities, policies), store)
         self.block_size, self.factor = block_size, factor
         self.swapped: dict[int, tuple[tuple[int, ...], list[Key]]] = {}  # slot -> (tokens it held, its tier keys)

@@ -89,6 +89,7 @@ import attrs
 
 from kvspec.spec import block_pool, kv_store
 from kvspec.spec.block_pool import Pool, PoolState
+from kvspec.spec.components import component_kind
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import Group, diff_states, invariant
 
@@ -147,6 +148,27 @@ class BlockManager(Protocol):
 
 
 # -- the model -------------------------------------------------------------------
+
+
+MANAGER_METHODS = (
+    "block_size",
+    "pool",
+    "add_sequence",
+    "append",
+    "free",
+    "read",
+    "block_table",
+    "sequences",
+    "snapshot",
+)
+MANAGER_OPERATIONS = {
+    "fork": ("fork",),  # share every block of a sequence with a new one (parallel sampling, beam search)
+    "swap": ("move_sequences",),  # move sequence groups between two managers' pools (swap out / in)
+    "tiered_swap_in": ("truncate", "swap_in"),  # load a sequence's tail back from a tier of larger blocks
+}
+BLOCK_MANAGER = component_kind(
+    "block_manager", builds="block_manager(pool, block_size)", methods=MANAGER_METHODS, optional=MANAGER_OPERATIONS
+)
 
 
 @attrs.frozen
@@ -480,6 +502,7 @@ def invariant_table_length_exact(state: ManagerState) -> str | None:
 @invariant(
     "forking is what makes parallel sampling and beam search cheap: it must share, not allocate",
     "safety",
+    needs=("block_manager.fork", "prefix_caching_manager.fork", "paged_kv_cache.fork"),
 )
 def invariant_fork_allocates_nothing(
     before: ManagerState, after: ManagerState, parent: SeqId, child: SeqId
@@ -504,6 +527,7 @@ def invariant_copy_on_write_exact(expected: Sequence[tuple[int, int]], actual: S
 @invariant(
     "lecture exercise 4: n samples sharing a half-full block copy it n-1 times, never when blocks are full",
     "convention",
+    needs=("block_manager.fork",),
 )
 def invariant_parallel_sampling_copies(n: int, prompt_len: int, block_size: int, copies: int) -> str | None:
     expected = n - 1 if prompt_len % block_size else 0
@@ -515,6 +539,7 @@ def invariant_parallel_sampling_copies(n: int, prompt_len: int, block_size: int,
 @invariant(
     "a partial swap-in writes only after the resident prefix: a load over it overwrites KV the device still serves",
     "safety",
+    needs=("block_manager.tiered_swap_in",),
 )
 def invariant_load_lands_after_resident_prefix(before: ManagerState, after: ManagerState, seq: SeqId) -> str | None:
     resident = before.tables[seq]
@@ -530,6 +555,7 @@ def invariant_load_lands_after_resident_prefix(before: ManagerState, after: Mana
 @invariant(
     "a device block is one B-token slice of the one tier block that holds it: any other slice is other tokens' KV",
     "safety",
+    needs=("block_manager.tiered_swap_in",),
 )
 def invariant_tier_blocks_cover_loaded_blocks(
     plan: TierLoad, resident: int, table: Sequence[int], keys: Sequence[kv_store.Key], factor: int, block_size: int
@@ -550,6 +576,7 @@ def invariant_tier_blocks_cover_loaded_blocks(
 @invariant(
     "a sequence swapped out in part and loaded back must read what it held, or it decodes from other tokens' KV",
     "safety",
+    needs=("block_manager.tiered_swap_in",),
 )
 def invariant_swap_round_trip_exact(seq: SeqId, held: Sequence[int], read: Sequence[int]) -> str | None:
     if tuple(held) != tuple(read):

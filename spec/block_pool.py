@@ -72,6 +72,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+from kvspec.spec.components import component_kind
 from kvspec.spec.conventions import POLICIES as POLICIES
 from kvspec.spec.conventions import REFERENCE, PoolConventions
 from kvspec.spec.conventions import Policy as Policy
@@ -112,6 +113,24 @@ class BlockPool(Protocol):
 
 
 # -- the model -------------------------------------------------------------------
+
+
+BLOCK_POOL = component_kind(
+    "block_pool",
+    builds="block_pool(capacity, policy)",
+    methods=(
+        "capacity",
+        "num_free",
+        "refcount",
+        "allocate",
+        "share",
+        "release",
+        "register",
+        "lookup",
+        "evict",
+        "snapshot",
+    ),
+)
 
 
 @attrs.frozen

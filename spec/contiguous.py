@@ -74,6 +74,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
+from kvspec.spec.components import component_kind
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks, RequestTooLarge
 from kvspec.spec.invariants import Group, diff_states, invariant
 
@@ -141,6 +142,13 @@ class ContiguousAllocator(Protocol):
 
 
 # -- arithmetic the model and implementations share ------------------------------------
+
+
+CONTIGUOUS_ALLOCATOR = component_kind(
+    "contiguous_allocator",
+    builds="contiguous_allocator(capacity, placement)",
+    methods=("capacity", "placement", "allocate", "append", "free", "ledger", "snapshot"),
+)
 
 
 def reserved_slots(reservation: Reservation, prompt_len: int, output_len: int, max_length: int) -> int:

@@ -31,17 +31,19 @@ Rules:
 * Teeth: each invariant is proven able to fail by a broken implementation of
   ``impl/broken/`` that names it, unless it declares ``fails_only_with``: why
   it cannot fail without another named invariant failing too.
-* Three invariants hold for every layer and live here; the lockstep harness
+* Six invariants hold for every layer and live here; the lockstep harness
   checks them on every call: out-of-contract calls are rejected cleanly
   (caller contract), in-contract calls get the model's verdict (convention)
-  and its answer (convention), and a call rejected for want of room changes
-  nothing (safety: all or nothing).
+  and its answer (convention), a call rejected for want of room changes
+  nothing (safety: all or nothing), no call raises anything but a typed error
+  (safety), and a list an operation answers is not changed by the
+  implementation afterwards (safety: it is the caller's).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast
 
 import attrs
@@ -59,6 +61,7 @@ class Invariant:
     tier: Tier
     why: str
     fails_only_with: str  # empty, or why it cannot fail unless another named invariant fails too
+    needs: tuple[str, ...]  # "kind.operation": the optional operations without which no machine reaches it
     check: Callable[..., str | None] = attrs.field(eq=False, repr=False)
     arity: int = attrs.field(eq=False, repr=False)
 
@@ -69,8 +72,14 @@ class Invariant:
 REGISTRY: dict[str, Invariant] = {}
 
 
-def invariant(why: str, tier: Tier, *, fails_only_with: str = "") -> Callable[[Callable[..., str | None]], Invariant]:
-    """Declare the predicate as an invariant of its module's layer; the name is the function's."""
+def invariant(
+    why: str, tier: Tier, *, fails_only_with: str = "", needs: tuple[str, ...] = ()
+) -> Callable[[Callable[..., str | None]], Invariant]:
+    """Declare the predicate as an invariant of its module's layer; the name is the function's.
+
+    ``needs`` names the optional operations (``"block_manager.swap"``) without which no machine reaches
+    the rule: against an implementation that offers none of them, it is "not offered".
+    """
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}; choose from {TIERS}")
 
@@ -86,6 +95,7 @@ def invariant(why: str, tier: Tier, *, fails_only_with: str = "") -> Callable[[C
             tier=tier,
             why=why,
             fails_only_with=fails_only_with,
+            needs=needs,
             check=predicate,
             arity=len(inspect.signature(predicate).parameters),
         )
@@ -125,13 +135,25 @@ class InvariantViolation(AssertionError):
 
     ``operation`` names the call that broke a caller-contract rule, so that a
     verdict can tell "accepts a double free" from "registers a free block".
+    ``consequences`` are the rules of lower tiers that failed at the same step
+    (the finding is filed under the highest tier that failed); ``steps`` is the
+    operation sequence that led to it.
     """
 
-    def __init__(self, rule: Invariant, detail: str, operation: str = "") -> None:
-        super().__init__(f"{rule.name} violated: {detail} (why it matters: {rule.why})")
+    def __init__(
+        self,
+        rule: Invariant,
+        detail: str,
+        operation: str = "",
+        consequences: tuple[tuple[Invariant, str], ...] = (),
+        steps: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(f"{rule.name} violated ({rule.tier}): {detail} (why it matters: {rule.why})")
         self.invariant = rule
         self.detail = detail
         self.operation = operation
+        self.consequences = consequences
+        self.steps = steps
 
 
 def require(rule: Invariant, *args: Any) -> None:
@@ -185,23 +207,88 @@ def invariant_failed_operation_changes_nothing(before: object, after: object) ->
     return None
 
 
+SHOWN_ENTRIES = 6  # a difference names at most this many entries of a large field, then counts the rest
+
+
 def changes(before: object, after: object) -> str:
-    """What differs between two states: their fields' old and new values (states in a tuple, each)."""
+    """What differs between two states: only the entries that changed, old and new (states in a tuple, each)."""
     if isinstance(before, tuple) and isinstance(after, tuple) and len(before) == len(after):
         return "; ".join(changes(b, a) for b, a in zip(before, after, strict=True) if b != a)
     if not attrs.has(type(before)) or type(before) is not type(after):
         return f"{before!r} into {after!r}"
-    fields = [
-        f.name for f in attrs.fields(cast(Any, type(before))) if getattr(before, f.name) != getattr(after, f.name)
-    ]
-    return ", ".join(f"{name} from {getattr(before, name)!r} to {getattr(after, name)!r}" for name in fields)
+    return "; ".join(
+        f"{f.name}: {entries(getattr(before, f.name), getattr(after, f.name), 'from', 'to')}"
+        for f in attrs.fields(cast(Any, type(before)))
+        if getattr(before, f.name) != getattr(after, f.name)
+    )
 
 
 def diff_states(actual: object, expected: object) -> str:
-    """Name the fields in which two attrs records differ."""
-    parts = []
-    for field in attrs.fields(cast(Any, type(expected))):
-        a, e = getattr(actual, field.name), getattr(expected, field.name)
-        if a != e:
-            parts.append(f"{field.name}: implementation {a!r}, spec {e!r}")
+    """The entries in which two attrs records differ: for large fields, only the entries that differ."""
+    parts = [
+        f"{f.name}: {entries(getattr(actual, f.name), getattr(expected, f.name), 'implementation', 'spec')}"
+        for f in attrs.fields(cast(Any, type(expected)))
+        if getattr(actual, f.name) != getattr(expected, f.name)
+    ]
     return "; ".join(parts) or f"{actual!r} != {expected!r}"
+
+
+def entries(first: object, second: object, first_name: str, second_name: str) -> str:
+    """Two values of one field: whole when short, else only the indices (or keys) at which they differ."""
+    whole = f"{first_name} {first!r}, {second_name} {second!r}"
+    if len(whole) <= 120:
+        return whole
+    if isinstance(first, Mapping) and isinstance(second, Mapping):
+        keys = [k for k in dict.fromkeys([*first, *second]) if first.get(k, MISSING) != second.get(k, MISSING)]
+        pairs = [(f"[{k!r}]", first.get(k, MISSING), second.get(k, MISSING)) for k in keys]
+    elif isinstance(first, tuple | list) and isinstance(second, tuple | list) and len(first) == len(second):
+        pairs = [(f"[{i}]", a, b) for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b]
+    elif isinstance(first, tuple | list) and isinstance(second, tuple | list):
+        return sequences_apart(first, second, first_name, second_name)
+    else:
+        return whole
+    shown = ", ".join(f"{at} {first_name} {a!r}, {second_name} {b!r}" for at, a, b in pairs[:SHOWN_ENTRIES])
+    more = f" (and {len(pairs) - SHOWN_ENTRIES} more entries)" if len(pairs) > SHOWN_ENTRIES else ""
+    return shown + more
+
+
+def sequences_apart(first: Sequence[Any], second: Sequence[Any], first_name: str, second_name: str) -> str:
+    """Two sequences of different lengths: where they part, with a few entries either side."""
+    at = next((i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b), min(len(first), len(second)))
+    low, high = max(0, at - 2), at + SHOWN_ENTRIES
+
+    def window(values: Sequence[Any]) -> str:
+        shown = ", ".join(map(repr, values[low:high]))
+        return f"{len(values)} entries, [{low}:] {'...' if low else ''}({shown}{', ...' if len(values) > high else ''})"
+
+    return f"part at [{at}]: {first_name} {window(first)}; {second_name} {window(second)}"
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "absent"
+
+
+MISSING = _Missing()
+
+
+@invariant(
+    "a caller can handle only the errors the contract names: anything else escaping an operation crashes the "
+    "caller (a scheduler step, a server process)",
+    "safety",
+)
+def invariant_no_untyped_error(crash: str) -> str | None:
+    """``crash`` describes the untyped error an in-contract call raised (its class, message and raising frame)."""
+    return f"the call raised {crash}" if crash else None
+
+
+@invariant(
+    "a list an operation answers belongs to the caller (a block table row, the blocks it evicted): an "
+    "implementation that changes it later changes what the caller holds",
+    "safety",
+)
+def invariant_answer_not_changed_later(answered: list[Any], kept: list[Any], call: str, by: str) -> str | None:
+    """``kept`` is the caller's copy of the list ``call`` answered; ``answered`` that list after the call ``by``."""
+    if answered != kept:
+        return f"{call} answered {kept!r}; after {by} the implementation had changed that list to {answered!r}"
+    return None

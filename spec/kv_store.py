@@ -81,6 +81,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from kvspec.spec.block_pool import POLICIES, Policy
+from kvspec.spec.components import component_kind
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.invariants import diff_states, invariant
 
@@ -126,6 +127,14 @@ class KVStore(Protocol):
 
 
 # -- the model -------------------------------------------------------------------
+
+
+KV_STORE = component_kind(
+    "kv_store",
+    builds="kv_store(nodes, capacities, policies)",
+    methods=("put", "get", "demote", "evict", "pin", "unpin", "lookup", "snapshot"),
+    optional={"replicate": ("replicate",), "node_faults": ("fail", "restart")},
+)
 
 
 @attrs.frozen

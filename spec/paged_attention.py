@@ -85,6 +85,7 @@ import attrs
 import numpy as np
 
 from kvspec.spec.block_manager import BlockManager, SeqId, WritePlan
+from kvspec.spec.components import component_kind
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant
 
@@ -158,6 +159,25 @@ class PagedKVCache(KVCache, SequenceStore, Protocol):
     @property
     def shape(self) -> KVShape: ...
     def move_sequences(self, dst: Self, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]: ...
+
+
+PAGED_KV_CACHE = component_kind(
+    "paged_kv_cache",
+    builds="paged_kv_cache(manager, shape)",
+    methods=("length", "write", "read", "sequences", "add_sequence", "append", "free", "manager", "shape"),
+    optional={"fork": ("fork",), "swap": ("move_sequences",)},
+)
+TINY_MODEL = component_kind("tiny_model", builds="tiny_model(**sizes)", methods=("config", "forward"))
+CONTIGUOUS_KV_CACHE = component_kind(
+    "contiguous_kv_cache",
+    builds="contiguous_kv_cache(shape)",
+    methods=("length", "write", "read", "sequences", "add_sequence", "append", "fork", "free"),
+)
+DECODE_ATTENTION = component_kind(
+    "decode_attention",
+    builds="decode_attention(queries, key_blocks, value_blocks, tables, lengths, chunk_blocks)",
+    methods=(),
+)
 
 
 def max_abs_difference(paged: Sequence[np.ndarray], contiguous: Sequence[np.ndarray]) -> float:

@@ -115,6 +115,7 @@ def invariant_group_on_one_device(state: SchedulerState) -> str | None:
     "a swapped group must come back with exactly the KV it left with, or it continues from corrupt state",
     "safety",
     fails_only_with="a table reads back its sequence's tokens (invariant_read_back_exact) and those are the group's (invariant_recompute_restores_tokens)",
+    needs=("scheduler.swap_preemption",),
 )
 def invariant_swap_restores_contents(state: SchedulerState) -> str | None:
     for group in state.groups:

@@ -54,8 +54,8 @@ Invariants:
   hash k and every later one, never an earlier one.
 * ``invariant_hit_is_exact_prefix`` [safety] -- a hit block holds exactly the requested
   prefix, and was cached (not evicted, not reallocated) when it was hit.
-* ``invariant_hits_stop_at_first_miss`` [safety] -- the hit length counts blocks only
-  up to the first miss.
+* ``invariant_hits_stop_at_first_miss`` [safety] -- the hit length counts whole blocks
+  only up to the first miss of the cache's own hash map, as it was when asked.
 * ``invariant_reuse_preserves_read_back`` [safety] -- a sequence reads back what it was
   given, hit or not.
 * ``invariant_cached_block_holds_its_prefix`` [safety] -- a cached block holds the
@@ -77,6 +77,7 @@ import attrs
 from kvspec.spec import block_manager, block_pool
 from kvspec.spec.block_manager import Manager, ManagerState, SeqId, WritePlan
 from kvspec.spec.block_pool import Pool, PoolState
+from kvspec.spec.components import component_kind
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant
 
@@ -122,6 +123,17 @@ class PrefixCachingManager(block_manager.BlockManager, Protocol):
 
 
 # -- the model -------------------------------------------------------------------
+
+
+PREFIX_CACHING_MANAGER = component_kind(
+    "prefix_caching_manager",
+    builds='prefix_caching_manager(pool, block_size, commit="on_fill")',
+    methods=(*block_manager.MANAGER_METHODS, "block_hashes", "cached_prefix", "evict"),
+    optional={
+        **block_manager.MANAGER_OPERATIONS,
+        "deferred_commit": ("commit",),  # commit="after_forward": filled blocks are cached once the forward ran
+    },
+)
 
 
 @attrs.frozen
@@ -319,11 +331,14 @@ def invariant_hit_is_exact_prefix(
     "a prefix cache can reuse only a run from the start: counting past the first miss overstates the savings",
     "safety",
 )
-def invariant_hits_stop_at_first_miss(expected_blocks: int, cached_tokens: int, block_size: int) -> str | None:
-    if cached_tokens != expected_blocks * block_size:
-        return (
-            f"reported {cached_tokens} cached tokens, the run of hits up to the first miss is {expected_blocks} blocks"
-        )
+def invariant_hits_stop_at_first_miss(
+    before: PoolState, hashes: Sequence[Hashable], cached_tokens: int, block_size: int
+) -> str | None:
+    """``before`` is the cache's own pool when asked, ``hashes`` the prompt's block hashes as it computes them:
+    the tokens it reports cached are whole blocks of the run of leading hashes its map held."""
+    run = next((i for i, h in enumerate(hashes) if h not in before.cached), len(hashes))
+    if cached_tokens % block_size or cached_tokens > run * block_size:
+        return f"reported {cached_tokens} cached tokens, the run of hits up to the first miss is {run} blocks"
     return None
 
 

@@ -94,6 +94,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from kvspec.spec.block_manager import check_tokens
+from kvspec.spec.components import component_kind
 from kvspec.spec.conventions import REFERENCE, RadixConventions
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import Group, diff_states, invariant
@@ -130,6 +131,23 @@ class RadixCache(Protocol):
 
 
 # -- the model -------------------------------------------------------------------
+
+
+RADIX_CACHE = component_kind(
+    "radix_cache",
+    builds="radix_cache()",
+    methods=(
+        "match_prefix",
+        "insert",
+        "lock",
+        "unlock",
+        "evict",
+        "total_size",
+        "evictable_size",
+        "protected_size",
+        "snapshot",
+    ),
+)
 
 
 @attrs.frozen
@@ -352,10 +370,23 @@ def invariant_radix_sizes_consistent(state: RadixState, total: int, evictable: i
     "a match must reuse the longest cached prefix, and only values cached for exactly that prefix",
     "safety",
 )
-def invariant_radix_match_is_longest(expected: Sequence[int], actual: Sequence[int]) -> str | None:
+def invariant_radix_match_is_longest(before: RadixState, named_key: Key, actual: Sequence[int]) -> str | None:
+    """``before`` is the cache's own state when asked; ``named_key`` the key as it names tokens (``name_tokens``)."""
+    expected = longest_cached(before, named_key)
     if tuple(expected) != tuple(actual):
         return f"matched values {tuple(actual)}, the longest cached prefix holds {tuple(expected)}"
     return None
+
+
+def longest_cached(state: RadixState, named_key: Key) -> tuple[int, ...]:
+    """The values of the longest prefix of ``named_key`` that ``state`` caches, token by token."""
+    values = []
+    for end in range(1, len(named_key) + 1):
+        value = state.values.get(named_key[:end])
+        if value is None:
+            break
+        values.append(value)
+    return tuple(values)
 
 
 @invariant("a locked path is being read by a running request: evicting it frees KV still in use", "safety")

@@ -64,6 +64,7 @@ import attrs
 
 from kvspec.spec import radix_cache
 from kvspec.spec.block_manager import blocks_for, check_block_size, check_tokens
+from kvspec.spec.components import component_kind
 from kvspec.spec.conventions import REFERENCE, RadixConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.invariants import Group, diff_states, invariant
@@ -108,6 +109,13 @@ class RadixPageManager(Protocol):
 
 
 # -- the model -------------------------------------------------------------------
+
+
+RADIX_PAGE_MANAGER = component_kind(
+    "radix_page_manager",
+    builds="radix_page_manager(num_pages, page_size)",
+    methods=("admit", "decode", "release", "evict", "available_size", "evictable_size", "protected_size", "snapshot"),
+)
 
 
 @attrs.frozen

@@ -62,6 +62,7 @@ import attrs
 
 from kvspec.spec import block_manager
 from kvspec.spec.block_manager import ManagerState, SeqId, blocks_for, check_tokens
+from kvspec.spec.components import component_kind
 from kvspec.spec.errors import InvalidOperation, RequestTooLarge
 from kvspec.spec.invariants import diff_states, invariant
 
@@ -157,6 +158,19 @@ class Scheduler(Protocol):
 
 
 # -- arithmetic both the model and implementations use --------------------------------
+
+
+SCHEDULER = component_kind(
+    "scheduler",
+    builds="scheduler(gpu_manager, cpu_manager, config)",
+    methods=("gpu", "cpu", "arrive", "step", "abort", "snapshot"),
+    optional={
+        "swap_preemption": (),  # config.preemption == "swap": a victim's blocks go to the CPU manager
+        "priority": (),  # config.policy == "priority": admission and preemption by priority, with grants
+        "not_ready": ("mark_ready",),  # requests may arrive not ready and wait for mark_ready
+        "prefix_caching": (),  # the devices' managers are prefix-caching managers, probed at admission
+    },
+)
 
 
 def sampled_token(request_id: RequestId, sample: int, position: int) -> int:

@@ -42,6 +42,7 @@ import attrs
 from kvspec.spec import block_pool
 from kvspec.spec.block_manager import blocks_for, check_block_size
 from kvspec.spec.block_pool import Pool, PoolState
+from kvspec.spec.components import component_kind
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.invariants import diff_states, invariant
 
@@ -69,6 +70,13 @@ class WindowManager(Protocol):
     def free(self, seq: SeqId) -> None: ...
     def block_table(self, seq: SeqId) -> Table: ...
     def snapshot(self) -> WindowState: ...
+
+
+SLIDING_WINDOW_MANAGER = component_kind(
+    "sliding_window_manager",
+    builds="sliding_window_manager(pool, block_size, window)",
+    methods=("add_sequence", "append", "free", "block_table", "snapshot"),
+)
 
 
 @attrs.frozen

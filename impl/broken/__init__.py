@@ -10,10 +10,12 @@ alone, must find the violation.  One meta-test
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
+from kvspec.spec.components import Offer, every_operation
+from kvspec.spec.conventions import REFERENCE, Conventions
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import Invariant
 
@@ -34,3 +36,12 @@ def caught_by(invariant: Invariant, machine: str) -> Callable[[Factory], Factory
         return factory
 
     return declare
+
+
+def member(name: str, conventions: Conventions = REFERENCE, **components: Callable[..., Any] | None) -> Implementation:
+    """A broken implementation: these components, each offering every optional operation of its kind (as the
+    reference it subclasses does); every other component is borrowed from the reference."""
+    offers: dict[str, Any] = {
+        kind: Offer(factory, every_operation(kind)) for kind, factory in components.items() if factory
+    }
+    return Implementation(name=name, conventions=conventions, **offers)

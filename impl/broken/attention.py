@@ -16,7 +16,9 @@ from kvspec.impl.attention import OnlineState, PagedLayerKV, merge_block
 from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.broken import caught_by
 from kvspec.impl.paged_kv import PagedKVCache
+from kvspec.spec import preemption
 from kvspec.spec.block_manager import SeqId
+from kvspec.spec.components import Offer, every_operation
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.paged_attention import KVShape, invariant_paged_equals_contiguous
 
@@ -54,7 +56,9 @@ class SoftmaxWithoutRescale(PagedKVCache):
 
 
 def _with_cache(name: str, cache: type[PagedKVCache]) -> Implementation:
-    return attrs.evolve(reference(), name=name, paged_kv_cache=cache)
+    return attrs.evolve(
+        reference(), name=name, paged_kv_cache=Offer(cache, operations=every_operation("paged_kv_cache"))
+    )
 
 
 @caught_by(invariant_paged_equals_contiguous, "scheduler: paged = contiguous logits")
@@ -90,7 +94,7 @@ class SwapPairsSortedBlocks(PagedKVCache):
         return mapping
 
 
-@caught_by(invariant_paged_equals_contiguous, "scheduler: paged = contiguous logits")
+@caught_by(preemption.invariant_group_on_one_device, "scheduler: paged = contiguous logits")
 @caught_by(invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute")
 def swap_pairs_sorted_blocks() -> Implementation:
     return _with_cache("broken: swap pairs sorted source and destination blocks", SwapPairsSortedBlocks)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from kvspec.impl.block_manager import BlockManager
-from kvspec.impl.broken import caught_by
+from kvspec.impl.broken import caught_by, member
 from kvspec.spec import block_manager as spec
 from kvspec.spec import block_pool
 from kvspec.spec.block_manager import SeqId, WritePlan
@@ -122,7 +122,7 @@ class SkipsEveryResidentBlock(BlockManager):
 
 
 def _with_manager(name: str, manager: type[BlockManager]) -> Implementation:
-    return Implementation(name=name, block_manager=manager)
+    return member(name, block_manager=manager)
 
 
 @caught_by(spec.invariant_parallel_sampling_copies, "block manager")

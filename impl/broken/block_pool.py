@@ -12,13 +12,15 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from kvspec.impl.block_pool import BlockPool, LRUFreeQueue
-from kvspec.impl.broken import caught_by
+from kvspec.impl.broken import caught_by, member
 from kvspec.spec import block_pool as spec
 from kvspec.spec.conventions import REFERENCE, Conventions, Policy, PoolConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import (
+    invariant_answer_not_changed_later,
     invariant_failed_operation_changes_nothing,
+    invariant_no_untyped_error,
     invariant_out_of_contract_call_rejected,
     invariant_result_matches_spec,
 )
@@ -161,6 +163,26 @@ class KeepsDuplicatesForgetsBoth(BlockPool):
         return spec.PoolState(state.capacity, state.refcounts, state.free_queue, state.block_hashes, carriers)
 
 
+class LookupRaisesOnMiss(BlockPool):
+    """``lookup`` reads the hash map with ``[]``: a miss raises ``KeyError`` into the caller's scheduling step."""
+
+    def lookup(self, block_hash: Hashable) -> int | None:
+        return self._cached[block_hash]
+
+
+class ReusesItsAnswer(BlockPool):
+    """``allocate`` answers one scratch list of its own, refilled by the next allocation: a caller that kept the
+    first answer (a block table row under construction) finds it holding the second's blocks."""
+
+    def __init__(self, capacity: int, policy: Policy = "lru") -> None:
+        super().__init__(capacity, policy)
+        self._scratch: list[int] = []
+
+    def allocate(self, n: int) -> list[int]:
+        self._scratch[:] = super().allocate(n)
+        return self._scratch
+
+
 class LRUOnly(LeaksOnFree):
     """Offers LRU alone (and says so); then leaks on free."""
 
@@ -172,7 +194,7 @@ class LRUOnly(LeaksOnFree):
 
 def _with_pool(name: str, pool: type[BlockPool], conventions: Conventions = REFERENCE) -> Implementation:
     """A pool alone: the suite runs the reference's other layers on top of it."""
-    return Implementation(name=name, block_pool=pool, conventions=conventions)
+    return member(name, conventions, block_pool=pool)
 
 
 @caught_by(spec.invariant_refcount_matches_holders, "block pool")
@@ -233,6 +255,16 @@ def head_queues_every_release() -> Implementation:
 def keeps_duplicates_forgets_both() -> Implementation:
     conventions = Conventions(pool=PoolConventions(duplicate_hash="keep"))
     return _with_pool("broken: duplicate hashes kept, then both forgotten", KeepsDuplicatesForgetsBoth, conventions)
+
+
+@caught_by(invariant_no_untyped_error, "block pool")
+def lookup_raises_on_miss() -> Implementation:
+    return _with_pool("broken: lookup raises KeyError on a miss", LookupRaisesOnMiss)
+
+
+@caught_by(invariant_answer_not_changed_later, "block pool")
+def reuses_its_answer() -> Implementation:
+    return _with_pool("broken: allocate answers a scratch list it refills", ReusesItsAnswer)
 
 
 @caught_by(spec.invariant_no_leak, "block pool")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvspec.impl.broken import caught_by
+from kvspec.impl.broken import caught_by, member
 from kvspec.impl.contiguous import ContiguousAllocator
 from kvspec.spec import contiguous as contiguous_spec
 from kvspec.spec.contiguous import Ledger
@@ -102,7 +102,7 @@ class LedgerCountsRoundingAsTokens(ContiguousAllocator):
 
 def _with_allocator(name: str, allocator: type[ContiguousAllocator]) -> Implementation:
     """An allocator alone: the suite runs the reference's other layers beside it."""
-    return Implementation(name=name, contiguous_allocator=allocator)
+    return member(name, contiguous_allocator=allocator)
 
 
 @caught_by(contiguous_spec.invariant_buddy_blocks_aligned, "contiguous allocators")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from kvspec.impl.broken import caught_by
+from kvspec.impl.broken import caught_by, member
 from kvspec.impl.kv_store import Block, KVStore, Node
 from kvspec.spec import kv_store as store_spec
 from kvspec.spec.errors import OutOfBlocks
@@ -146,7 +146,7 @@ class GetIsNotAUse(KVStore):
 
 
 def _with_store(name: str, store: type[KVStore]) -> Implementation:
-    return Implementation(name=name, kv_store=store)
+    return member(name, kv_store=store)
 
 
 @caught_by(store_spec.invariant_demotion_keeps_the_block, "tiered KV store (node faults)")

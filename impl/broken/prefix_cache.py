@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvspec.impl import reference
 from kvspec.impl.block_pool import BlockPool
-from kvspec.impl.broken import caught_by
+from kvspec.impl.broken import caught_by, member
 from kvspec.impl.hashing import ROOT, BlockHash, hash_block
 from kvspec.impl.prefix_caching import PrefixCachingBlockManager
 from kvspec.spec import block_pool
@@ -131,12 +130,7 @@ class ReadsWholeBlocksOnly(PrefixCachingBlockManager):
 
 
 def _with(name: str, block_pool: Any = None, prefix_caching_manager: Any = None) -> Implementation:
-    base = reference()
-    return Implementation(
-        name=name,
-        block_pool=block_pool or base.block_pool,
-        prefix_caching_manager=prefix_caching_manager,
-    )
+    return member(name, block_pool=block_pool or BlockPool, prefix_caching_manager=prefix_caching_manager)
 
 
 @caught_by(spec.invariant_hit_is_exact_prefix, "prefix cache")

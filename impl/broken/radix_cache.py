@@ -15,7 +15,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 
-from kvspec.impl.broken import caught_by
+from kvspec.impl.broken import caught_by, member
 from kvspec.impl.radix_cache import Node, RadixCache
 from kvspec.spec import block_pool
 from kvspec.spec import radix_cache as spec
@@ -213,7 +213,7 @@ class IgnoresExtraKeys(RadixCache):
 
 def _with_radix(name: str, radix: Callable[[], RadixCache], **conventions: object) -> Implementation:
     declared = Conventions(radix=RadixConventions(**conventions))  # type: ignore[arg-type]
-    return Implementation(name=name, radix_cache=radix, conventions=declared)
+    return member(name, declared, radix_cache=radix)
 
 
 @caught_by(spec.invariant_radix_refines_spec, "radix cache")

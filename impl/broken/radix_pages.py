@@ -6,7 +6,7 @@ subclass of the reference.
 
 from __future__ import annotations
 
-from kvspec.impl.broken import caught_by
+from kvspec.impl.broken import caught_by, member
 from kvspec.impl.radix_cache import RadixCache
 from kvspec.impl.radix_pages import RadixPageManager
 from kvspec.spec import radix_pages as spec
@@ -78,7 +78,7 @@ class EvictsBeforeFree(RadixPageManager):
 
 
 def broken(name: str, manager: type[RadixPageManager]) -> Implementation:
-    return Implementation(name=name, radix_page_manager=manager)
+    return member(name, radix_page_manager=manager)
 
 
 @caught_by(spec.invariant_pages_quiescent, MACHINE)

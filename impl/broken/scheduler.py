@@ -6,8 +6,9 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
-from kvspec.impl import reference
-from kvspec.impl.broken import caught_by
+from kvspec.impl.block_manager import BlockManager
+from kvspec.impl.block_pool import BlockPool
+from kvspec.impl.broken import caught_by, member
 from kvspec.impl.scheduler import Entry, Probe, Scheduler, Tally
 from kvspec.spec import admission, preemption
 from kvspec.spec import scheduler as spec
@@ -147,8 +148,7 @@ class PreemptsLatestArrival(Scheduler):
 
 
 def _with_scheduler(name: str, scheduler: type[Scheduler]) -> Implementation:
-    base = reference()
-    return Implementation(name=name, block_pool=base.block_pool, block_manager=base.block_manager, scheduler=scheduler)
+    return member(name, block_pool=BlockPool, block_manager=BlockManager, scheduler=scheduler)
 
 
 @caught_by(spec.invariant_scheduler_refines_spec, "scheduler (recompute)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvspec.impl.broken import caught_by
+from kvspec.impl.broken import caught_by, member
 from kvspec.impl.sliding_window import SlidingWindowManager
 from kvspec.spec import block_pool
 from kvspec.spec import sliding_window as spec
@@ -35,16 +35,14 @@ class FreesFrontToBack(SlidingWindowManager):
 
 @caught_by(spec.invariant_window_blocks_exact, "sliding-window tables")
 def keeps_whole_history() -> Implementation:
-    return Implementation(name="broken: the window never drops a block", sliding_window_manager=KeepsWholeHistory)
+    return member("broken: the window never drops a block", sliding_window_manager=KeepsWholeHistory)
 
 
 @caught_by(spec.invariant_window_refines_spec, "sliding-window tables")
 def frees_front_to_back() -> Implementation:
-    return Implementation(name="broken: frees a window table front to back", sliding_window_manager=FreesFrontToBack)
+    return member("broken: frees a window table front to back", sliding_window_manager=FreesFrontToBack)
 
 
 @caught_by(block_pool.invariant_refcount_matches_holders, "sliding-window tables")
 def stale_entry_after_slide() -> Implementation:
-    return Implementation(
-        name="broken: a slid-out block stays in the table", sliding_window_manager=StaleEntryAfterSlide
-    )
+    return member("broken: a slid-out block stays in the table", sliding_window_manager=StaleEntryAfterSlide)

@@ -57,6 +57,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvspec.spec.components import Offer
 from kvspec.spec.conventions import Conventions, RadixConventions
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.prefix_cache import ExtraKey
@@ -239,7 +240,8 @@ def factory_with_page_size(page_size: int) -> Callable[[], Implementation]:
         name = f"SGLang {engine_version()} RadixCache" + (f" (page size {page_size})" if page_size != 1 else "")
         return Implementation(
             name=name,
-            radix_cache=functools.partial(SglangRadixCache, page_size),
+            # lock and unlock find the node a match would return, and split it there, by reading the tree
+            radix_cache=Offer(functools.partial(SglangRadixCache, page_size), emulated={"lock", "unlock"}),
             conventions=conventions(page_size),
         )
 

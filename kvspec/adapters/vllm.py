@@ -47,6 +47,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from kvspec.spec.block_pool import Policy, PoolState
+from kvspec.spec.components import Offer
 from kvspec.spec.conventions import Conventions, PoolConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
@@ -153,4 +154,5 @@ def factory() -> Implementation:
     """vLLM's ``BlockPool`` under test; every other layer is the reference's, on top of it."""
     engine_block_pool()  # fail here, with the engine's ImportError, when vLLM is not installed
     name = f"vLLM {engine_version()} BlockPool"
-    return Implementation(name=name, block_pool=VllmBlockPool, conventions=CONVENTIONS)
+    pool = Offer(VllmBlockPool, emulated={"evict"})  # vLLM evicts lazily; evict(n) is read off its free queue
+    return Implementation(name=name, block_pool=pool, conventions=CONVENTIONS)

@@ -18,7 +18,8 @@ from hypothesis import settings as Settings
 
 from kvspec.impl import broken
 from kvspec.impl.broken import Catch
-from kvspec.properties.harness import LockstepMachine, load_implementation, run_machine
+from kvspec.properties.harness import LockstepMachine, run_machine
+from kvspec.properties.loading import load_implementation
 from kvspec.spec.invariants import Invariant
 
 DETECTION = (Phase.explicit, Phase.generate)
@@ -40,7 +41,9 @@ def assert_caught(machine: type[LockstepMachine], factory: str, rule: Invariant)
     settings = Settings(Settings(), derandomize=True, database=None, phases=DETECTION)
     outcome = run_machine(machine, load_implementation(factory), settings, only=frozenset({rule}))
     finding = outcome.finding
-    assert finding is not None, f"{factory} should violate {rule.name}; {outcome.runs} runs found nothing"
+    assert finding is not None, (
+        f"{factory} should violate {rule.name}; {outcome.statistics.examples} examples found nothing"
+    )
     shown = "\n    ".join(finding.steps)
     got = finding.invariant.name if finding.invariant else "no invariant"
     assert finding.invariant is rule, f"{factory} should violate {rule.name}, got {got}: {finding.detail}\n    {shown}"

@@ -30,7 +30,7 @@ def test_the_page_renders_each_finding_with_its_sequence_and_its_production_line
     finding = in_production("kvspec.adapters.sglang:factory", unlock_finding())
     verdict = Verdict("SGLang", "kvspec.adapters.sglang:factory", "ci", sglang.conventions(), (), (finding,), ())
     section = verdict.markdown()
-    line = f"In production: {sglang.IN_PRODUCTION['unlock']}"
+    line = f"in production: {sglang.IN_PRODUCTION['unlock']}"
     assert section.index(finding.heading) < section.index(line) < section.index("radix.unlock([0])")
     assert "lock by handle, page size 1, extra-key namespaces yes" in section
     assert f"in production: {sglang.IN_PRODUCTION['unlock']}" in str(verdict)
