@@ -196,9 +196,15 @@ def verdicts(storage: dict[str, Any], layers: list[dict[str, Any]]) -> list[Verd
             "KV bytes per matmul FLOP: OPT-13B, LLaMA2-70B, and how far apart",
             "lecture §14 exercise 9",
             "3.1e-5; 2.4e-6; about 13x",
-            f"{per_flop[opt.name]:.2g}; {per_flop[llama.name]:.2g}; {storage['bytes_per_flop_ratio']:.1f}x",
-            "as rounded",
-            round(storage["bytes_per_flop_ratio"]) == 13,
+            f"{per_flop[opt.name]:.3g}; {per_flop[llama.name]:.3g}; {storage['bytes_per_flop_ratio']:.1f}x",
+            "+-5 %; as rounded",
+            within(per_flop[opt.name], 3.1e-5, 0.05)
+            and within(per_flop[llama.name], 2.4e-6, 0.05)
+            and round(storage["bytes_per_flop_ratio"]) == 13,
+            reason=(
+                "OPT-13B's 3.19e-5 counts 2 x (12 L h^2 + h V) = 25.7 GFLOP per token; the lecture divides by"
+                " 26.2 GFLOP, hence 3.1e-5: both within 5 %."
+            ),
         ),
         Verdict(
             "layer-wise prefill, 8.7K tokens, half a hit: full, overlapped; SSD without overlap",

@@ -1,7 +1,7 @@
 """Lecture §8.4-8.5 and §9's figures, each against its source with the tolerance stated.
 
-The simulations are the command's, at its request counts, over the first three of its seeds (the command
-prints all five).
+The simulations are the command's, at its request counts, over the first two or three of its seeds (the
+command prints all five).
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ def test_per_token_arithmetic_is_exact() -> None:
         assert rows[(llama.name, tier)]["ratio"] == pytest.approx(published, rel=0.05)
     assert rows[(opt.name, "SSD x4 (24 GB/s)")]["ratio"] < 1 < rows[(opt.name, "RDMA 100 GB/s")]["ratio"] < 5
     assert round(mooncake.storage_for_compute()["bytes_per_flop_ratio"]) == 13  # exercise 9: "about 13x"
+    per_flop = mooncake.storage_for_compute()["bytes_per_flop"]  # exercise 9: 3.1e-5 and 2.4e-6 (+-5 %)
+    assert per_flop[opt.name] == pytest.approx(3.1e-5, rel=0.05)
+    assert per_flop[llama.name] == pytest.approx(2.4e-6, rel=0.05)
 
 
 def test_ten_times_from_every_tier_does_not_hold_for_the_ssd() -> None:
@@ -67,9 +70,9 @@ def test_stream_has_the_lecture_statistics() -> None:
 
 def test_global_cache_speedups_of_section_8_5() -> None:
     """Lecture §8.5: prefill GPU time 1.05 h without a cache and 0.42 h with an unbounded one; 1.46x with 1,000
-    blocks (the follow-up delay is calibrated to it) and 2.34x with 10,000 (a prediction).  Means over seeds,
-    within 10 %."""
-    caches = [mooncake_conductor.global_cache(stream) for stream in streams()]
+    blocks (the follow-up delay is calibrated to it) and 2.34x with 10,000 (a prediction).  Means over two
+    seeds, within 10 %."""
+    caches = [mooncake_conductor.global_cache(stream) for stream in streams()[:2]]
     for name, hours in mooncake_conductor.LECTURE_HOURS.items():
         assert Spread.of(c["hours"][name] for c in caches).mean == pytest.approx(hours, rel=0.1)
     for name, speedup in mooncake_conductor.LECTURE_GLOBAL_SPEEDUPS.items():
@@ -108,6 +111,16 @@ def test_conductor_order_and_refusals() -> None:
     assert refusals["rejected_share"]["cache-aware"].mean < refusals["rejected_share"]["random"].mean
 
 
+def test_conductor_order_on_a_shipped_trace() -> None:
+    """Lecture §9.4: the order is Mooncake Fig. 8's on real requests too -- the shipped synthetic trace at its
+    own timestamps."""
+    by = {
+        p: mooncake_conductor.simulate(mooncake_conductor.trace_stream("synthetic", 1.0), p)
+        for p in mooncake_conductor.POLICIES
+    }
+    assert mooncake_conductor.ordered(mooncake_conductor.figures(by))
+
+
 def test_hit_rate_ratio_deviates_and_the_sensitivity_shows_why() -> None:
     """Lecture §9.4: cache-aware's hit rate "doubles" random's.  Here about 3x, outside +-25 %, and printed
     with its reason: the ratio falls toward 2 only as requests per reused document grow (8 here), and by then
@@ -125,14 +138,14 @@ def test_hit_rate_ratio_deviates_and_the_sensitivity_shows_why() -> None:
 def rejection_runs(
     policy: str, ratio: float = 3.0, sigma: float = mooncake_rejection.OUTPUT_SIGMA, **admission: Any
 ) -> list[dict[str, Any]]:
-    """One admission over the test's seeds, at the command's request count."""
+    """One admission over the first two seeds, at the command's request count."""
     return [
         mooncake_rejection.simulate(
             mooncake_rejection.poisson_workload(prefill_over_decode=ratio, seed=seed, output_sigma=sigma),
             mooncake_rejection.Admission(policy, **admission),
             seed,
         )
-        for seed in TEST_SEEDS
+        for seed in TEST_SEEDS[:2]
     ]
 
 
