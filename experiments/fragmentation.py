@@ -244,7 +244,52 @@ def verdicts(results: dict[str, Any]) -> list[Verdict]:
     half_block = [
         r["waste_per_sequence"] / r["half_a_block"] - 1 for r in results["demo_4"]["rows"] if r["half_a_block"]
     ]
+    d, ex1, ex2 = results["demo_1"][-1], results["exercise_1"], results["exercise_2"]
+    fits = (ex1["fit_in_all_14_gb_left"], ex1["fit_in_kv_slots"])
     rows = [
+        Verdict(
+            "demo 1: D fails with 6 slots free, as blocks of 4 and 2",
+            "lecture §3.2 demo 1",
+            "fails; 4 + 2",
+            f"{d['verdict']}; {' + '.join(map(str, d['free_blocks']))}",
+            "exact",
+            d["verdict"] == "OutOfBlocks" and sorted(d["free_blocks"]) == [2, 4],
+        ),
+        Verdict(
+            "exercise 1: KV per token, per 2,048-token request; requests in the 14 GB left, in 12,596 slots",
+            "lecture §14 exercise 1",
+            "819,200 B; 1.68 GB; 8; 6",
+            f"{ex1['kv_bytes_per_token']:,} B; {ex1['kv_gb_per_2048_request']:.2f} GB; {fits[0]}; {fits[1]}",
+            "exact, as rounded",
+            (ex1["kv_bytes_per_token"], round(ex1["kv_gb_per_2048_request"], 2), *fits) == (819_200, 1.68, 8, 6),
+        ),
+        Verdict(
+            "OPT-13B's weights; maximum-length requests in the 12 GB left for KV",
+            "lecture §1 (vLLM Table 1)",
+            "26 GB; 7",
+            f"{ex1['weight_gb_derived']:.2f} GB (12 L h^2 + h V); {ex1['fit_in_12_gb']}",
+            "+-2 %; exact",
+            within(ex1["weight_gb_derived"], 26, 0.02) and ex1["fit_in_12_gb"] == 7,
+        ),
+        Verdict(
+            "KV token slots on the A100: (0.9 x 40 GB - weights) / 819,200",
+            "lecture §3.3",
+            "12,596",
+            f"{ex1['kv_slots']:,}",
+            "exact",
+            ex1["kv_slots"] == 12_596,
+        ),
+        Verdict(
+            "exercise 2: the buddy allocator gives 300, 600, 1,100 slots; the waste",
+            "lecture §14 exercise 2",
+            "512, 1,024, 2,048; 1,584 of 3,584 (44 %)",
+            f"{', '.join(f'{g:,}' for g in ex2['given'])}; {ex2['wasted']:,} of {ex2['allocated']:,}"
+            f" ({ex2['wasted_share']:.0%})",
+            "exact",
+            (ex2["given"], ex2["wasted"], ex2["allocated"]) == ([512, 1024, 2048], 1584, 3584),
+        ),
+    ]
+    rows += [
         Verdict(
             f"{policy}: KV slots holding tokens, memory-bound iterations",
             "lecture §3.3 demo 2",
