@@ -7,6 +7,8 @@
   operation sequence.  Exit status 0 conforms, 1 violations, 2 usage or
   adapter error (one line; ``--traceback`` for the whole), 3 nothing checked;
   Ctrl-C prints the verdict of what ran, marked interrupted.
+* ``kvspec replay TOKEN`` -- run once more the example a verdict printed for
+  a finding (its ``replay:`` line) and print what it breaks now.
 * ``kvspec engines [MODULE:FACTORY ...] [--out docs/engines.md]`` -- write
   the verdicts of several implementations (say, the adapters) as one page.
 * ``kvspec repro NAME [--json]`` -- reproduce a lecture section's numbers.
@@ -74,6 +76,33 @@ def fail(prog: str, error: BaseException, show_traceback: bool) -> int:
     return 2
 
 
+def replay(argv: Sequence[str]) -> int:
+    from kvspec.conformance import UsageError
+    from kvspec.conformance import replay as replay_token
+    from kvspec.properties.loading import AdapterError
+    from kvspec.report import Parser
+
+    parser = Parser(
+        prog="kvspec replay",
+        description="Run once more the example a verdict printed for a finding (its 'replay:' line).",
+        epilog="exit status: 1 the finding is reproduced, 0 the example no longer fails, 2 usage or adapter error",
+    )
+    parser.add_argument("token", help="what follows 'kvspec replay' on the finding's 'replay:' line")
+    parser.add_argument("--traceback", action="store_true", help="on an adapter error, print the whole traceback")
+    args = parser.parse_args(argv)
+    try:
+        path, finding = replay_token(args.token)
+    except (AdapterError, UsageError) as error:
+        return fail("kvspec replay", error, args.traceback)
+    if finding is None:
+        print(f"kvspec replay: {path}: the example no longer fails")
+        return 0
+    name = finding.invariant.name if finding.invariant else "uncaught error"
+    print(f"{name} ({finding.tier}) violated: {finding.detail}")
+    print("operation sequence:", *(f"    {step}" for step in finding.steps), sep="\n")
+    return 1
+
+
 def engines(argv: Sequence[str]) -> int:
     from kvspec.conformance import UsageError, report_progress, run_conformance
     from kvspec.properties import profiles
@@ -107,10 +136,12 @@ ENGINES_HEADER = """# Engines under kvspec
 
 Written by `kvspec engines MODULE:FACTORY ...`; do not edit by hand.  Each
 section is one implementation's verdict (`kvspec check --markdown`): its
-declared conventions, then per tier every invariant -- violated, held, or
-not reached -- and every distinct finding with its shrunk operation sequence
-and, for a caller-contract finding, one line on what it means in production
-(the adapter's `IN_PRODUCTION`).
+declaration (components, optional operations, what the adapter emulates) and
+conventions, then per tier every invariant -- violated, held (with its
+checks), not reached, not offered or not run -- and every distinct finding
+with its shrunk operation sequence; a caller-contract finding comes with what
+accepting that kind of call leads to, measured by sending it alone and
+checking safety from there on.
 
 """
 
@@ -133,7 +164,7 @@ def repro(argv: Sequence[str]) -> int:
     return 0 if asked else 2
 
 
-USAGE = "usage: kvspec {check,engines,repro,trace} ...  (kvspec COMMAND --help for each)"
+USAGE = "usage: kvspec {check,replay,engines,repro,trace} ...  (kvspec COMMAND --help for each)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,6 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__.strip() + "\n\n" + USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    from kvspec.properties.profiles import cache_directory
+
+    set_hypothesis_home_dir(cache_directory() / "hypothesis")  # not a .hypothesis/ in the user's directory
     try:
         return run_command(command, rest)
     except KeyboardInterrupt:
@@ -154,6 +190,8 @@ def run_command(command: str, rest: list[str]) -> int:
         return check(rest)
     if command == "engines":
         return engines(rest)
+    if command == "replay":
+        return replay(rest)
     if command == "trace":
         return run_module("kvspec.experiments.trace", rest)
     if command == "repro":

@@ -45,21 +45,23 @@ Rules:
 
 from __future__ import annotations
 
+import base64
+import json
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
 from hypothesis import settings as Settings
 
 from kvspec.properties import harness, profiles, suite
-from kvspec.properties.loading import REFERENCE, AdapterError, build, load_implementation
+from kvspec.properties.loading import REFERENCE, AdapterError, UsageError, build, load_implementation
 from kvspec.report import table
 from kvspec.spec.components import DeclarationError
 from kvspec.spec.conventions import Conventions
 from kvspec.spec.implementation import Implementation
-from kvspec.spec.invariants import REGISTRY, TIERS, Invariant
+from kvspec.spec.invariants import REGISTRY, TIERS, Invariant, invariant_out_of_contract_call_rejected
 
 ROUNDS = 6  # runs of one machine: the first, then one per round of new findings
 THIN_CHECKS = 20  # a rule held on fewer checks than this is reported as thinly checked
@@ -69,10 +71,6 @@ BORROWED_ONLY = "not counted: it uses only components borrowed from the referenc
 EXIT_STATUS = {CONFORMS: 0, VIOLATED: 1, NOTHING_CHECKED: 3}  # 2: usage or adapter error (kvspec.cli)
 
 MachineEntry = tuple[str, type[harness.LockstepMachine]]
-
-
-class UsageError(ValueError):
-    """A layer word or profile that names nothing: checking nothing must not pass for a verdict."""
 
 
 @attrs.frozen
@@ -87,12 +85,15 @@ class Violation:
     steps: tuple[str, ...]
     consequences: tuple[str, ...] = ()  # lower-tier rules that failed at the same step
     knock_ons: tuple[Violation, ...] = ()  # other findings with the same root cause
-    in_production: str = ""  # what a caller-contract finding means in production, as the adapter says
+    variant: str = ""  # the kind of out-of-contract call (harness.variant_of), for a caller-contract finding
+    leads_to: str = ""  # measured: what accepting the call leads to (a caller-contract finding, probed)
+    leads_to_steps: tuple[str, ...] = ()  # the sequence that shows it
     emulated: bool = False  # the operation is the adapter's emulation: the finding is the adapter's
+    replay: str = ""  # a token for ``kvspec replay``: the machine, what was known, the shrunk example
 
     @property
     def heading(self) -> str:
-        what = f"{self.invariant} ({self.operation})" if self.operation else self.invariant
+        what = f"{self.invariant} ({self.operation}: {self.variant})" if self.operation else self.invariant
         owner = " [on an operation the adapter emulates: the adapter's finding]" if self.emulated else ""
         return f"{what} violated in {', '.join(self.machines)}: {self.detail}{owner}"
 
@@ -243,10 +244,13 @@ class Verdict:
 def finding_lines(violation: Violation, trusted: bool) -> list[str]:
     """A finding as printed: its heading, what it leads to, its knock-ons, its sequence."""
     out = [("trusts caller: " if trusted else "") + violation.heading]
-    out += [f"in production: {violation.in_production}"] if violation.in_production else []
     out += [f"at the same step: {line}" for line in violation.consequences]
     out += [f"same root cause: {knock_on.heading} [{knock_on.tier}]" for knock_on in violation.knock_ons]
     out += ["shrunk operation sequence:", *(f"    {step}" for step in violation.steps)]
+    out += [f"replay: kvspec replay {violation.replay}"] if violation.replay else []
+    if violation.leads_to:
+        out += [f"what it leads to (measured): {violation.leads_to}"]
+        out += [f"    {step}" for step in violation.leads_to_steps]
     return out
 
 
@@ -272,15 +276,6 @@ def declaration_lines(implementation: Implementation) -> tuple[str, ...]:
         lines.append(f"{kind}: {name}, optional operations offered: {operations}{emulated}")
     borrowed = ", ".join(sorted(implementation.borrowed))
     return (*lines, f"borrowed from the reference: {borrowed}") if borrowed else tuple(lines)
-
-
-def in_production(path: str, violation: Violation) -> Violation:
-    """``violation`` with what it means in production, if it is a caller-contract finding and the factory's module
-    says so in ``IN_PRODUCTION`` (keyed by operation, as the adapters do)."""
-    said: Mapping[str, str] = getattr(sys.modules.get(path.partition(":")[0]), "IN_PRODUCTION", {})
-    if violation.tier != "caller contract" or violation.operation not in said:
-        return violation
-    return attrs.evolve(violation, in_production=said[violation.operation])
 
 
 def resolve(factory: str | Callable[[], Implementation] | Implementation) -> tuple[str, Implementation]:
@@ -336,6 +331,15 @@ def profile_settings(profile: str) -> Settings:
     return Settings.get_profile(profile)
 
 
+@attrs.frozen
+class Probe:
+    """How to rerun the machine that made a caller-contract finding, to measure what the call leads to."""
+
+    machine: type[harness.LockstepMachine]
+    known: frozenset[Invariant]
+    variant: harness.Variant
+
+
 @attrs.define
 class Run:
     """What the verdict accumulates while its machines run."""
@@ -344,7 +348,8 @@ class Run:
     path: str
     checks: Counter[Invariant] = attrs.field(factory=Counter)
     checks_after_known: Counter[Invariant] = attrs.field(factory=Counter)
-    found: dict[tuple[str, str], tuple[Violation, int]] = attrs.field(factory=dict)  # with its machine's rank
+    found: dict[tuple[str, str, str], tuple[Violation, int]] = attrs.field(factory=dict)  # with its machine's rank
+    probes: dict[tuple[str, str, str], Probe] = attrs.field(factory=dict)  # where each contract finding was made
     machines: list[MachineRun] = attrs.field(factory=list)
     judged: set[str] = attrs.field(factory=set)  # layers whose rules a counted machine checked
     selected: set[str] = attrs.field(factory=set)  # layers of every machine selected
@@ -367,61 +372,171 @@ def run_conformance(
     path, implementation = resolve(factory)
     run = Run(implementation, path)
     for i, (title, machine) in enumerate(chosen, 1):
-        if progress:
-            progress(f"[{i}/{len(chosen)}] {title}")
         run.selected.update(machine.judges)
         try:
+            if progress:
+                progress(f"[{i}/{len(chosen)}] {title}")
             run.machines.append(run_one(run, title, machine, base))
         except KeyboardInterrupt:
             run.interrupted = True
             run.machines.append(MachineRun(title, 0, 0, 0, 0, "interrupted"))
             break
+    if not run.interrupted:
+        try:
+            measure_consequences(run, base, progress)
+        except KeyboardInterrupt:
+            run.interrupted = True
     return verdict_of(run, profile)
 
 
+def measure_consequences(run: Run, base: Settings, progress: Callable[[str], None] | None) -> None:
+    """For each caller-contract finding: send that kind of call alone, let the implementation accept it, and
+    check safety from there on -- the first safety rule that breaks, and how many calls later, is what the
+    call leads to.  Nothing breaking is reported too, with the examples it took."""
+    for key, probe in run.probes.items():
+        violation, rank = run.found[key]
+        if progress:
+            progress(f"what {probe.variant[0]} ({probe.variant[1]}) leads to")
+        outcome = harness.run_machine(probe.machine, run.implementation, base, known=probe.known, probing=probe.variant)
+        after = [f for f in outcome.findings if f.after_steps is not None and f.tier == "safety"]
+        if after:
+            first = min(after, key=lambda f: (f.after_steps or 0, len(f.steps)))
+            assert first.invariant is not None
+            later = {0: "at that very call", 1: "one call later"}.get(
+                first.after_steps or 0, f"{first.after_steps} calls later"
+            )
+            leads_to = f"{first.invariant.name} breaks {later}: {first.detail}"
+            violation = attrs.evolve(violation, leads_to=leads_to, leads_to_steps=first.steps)
+        else:
+            leads_to = f"no safety rule broke after it, in {outcome.statistics.examples} examples that sent it"
+            violation = attrs.evolve(violation, leads_to=leads_to)
+        run.found[key] = (violation, rank)
+
+
 def run_one(run: Run, title: str, machine: type[harness.LockstepMachine], base: Settings) -> MachineRun:
-    """Rounds of one machine until it finds nothing new."""
+    """Rounds of one machine until it finds nothing new.
+
+    An implementation that trusts its caller is judged in two passes: first it is sent no out-of-contract
+    call at all (its safety and its conventions), then it is sent them (how it answers each kind, and --
+    measured afterwards -- what accepting one leads to).
+    """
     implementation = run.implementation
     reason = machine.not_offered(implementation)
     if reason:
         return MachineRun(title, 0, 0, 0, 0, reason)
     if not machine.uses & implementation.own_components():
         return MachineRun(title, 0, 0, 0, 0, BORROWED_ONLY)
+    rounds = Rounds(run, title, machine)
+    trusted = implementation.conventions.trusts_caller
+    for spared in (harness.EVERY_OPERATION, frozenset()) if trusted else (frozenset(),):
+        rounds.until_nothing_new(base, spared)
+        if rounds.ended in (BORROWED_ONLY, MACHINE_FAILED):
+            break
+    for finding in rounds.contract_findings:
+        key = (invariant_out_of_contract_call_rejected.name, finding.operation, finding.variant)
+        run.probes.setdefault(key, Probe(machine, rounds.known, (finding.operation, finding.variant)))
+    return MachineRun(title, rounds.runs, rounds.examples, rounds.steps, rounds.findings, rounds.ended)
+
+
+MACHINE_FAILED = "kvspec's machine failed"
+
+
+@attrs.define
+class Rounds:
+    """The runs of one machine against the verdict's implementation, and what they found."""
+
+    run: Run
+    title: str
+    machine: type[harness.LockstepMachine]
     known: frozenset[Invariant] = frozenset()
-    spared: frozenset[str] = frozenset()
-    runs = examples = steps = findings = 0
-    ended = "budget spent"
-    used: set[str] = set()
-    watched = watch(implementation, used)
-    rank = machine_rank(machine)
-    while runs < ROUNDS:
-        try:
-            outcome = harness.run_machine(machine, watched, base, known=known, spared=spared)
-        except DeclarationError as error:
-            raise AdapterError(f"{run.path}: {error}") from None
-        statistics = outcome.statistics
-        runs, examples, steps = runs + 1, examples + statistics.examples, steps + statistics.steps
-        if not used:
-            return MachineRun(title, runs, examples, steps, 0, BORROWED_ONLY)
-        run.judged.update(machine.judges)
-        run.checks.update(statistics.checks)
-        run.checks_after_known.update(statistics.checks_after_known)
-        if not outcome.findings:
-            ended = "every example broke a known rule" if outcome.unsatisfiable else "nothing new"
-            break
-        findings += len(outcome.findings)
-        for finding in outcome.findings:
-            merge(run, title, finding, rank(finding))
-        if any(finding.invariant is None for finding in outcome.findings):
-            ended = "kvspec's machine failed"
-            break
-        for finding in outcome.findings:
-            assert finding.invariant is not None
-            if finding.tier == "caller contract":
-                spared |= {finding.operation}
-            else:
-                known |= {finding.invariant}
-    return MachineRun(title, runs, examples, steps, findings, ended)
+    contract_findings: list[harness.Finding] = attrs.field(factory=list)
+    runs: int = 0
+    examples: int = 0
+    steps: int = 0
+    findings: int = 0
+    ended: str = "budget spent"
+    used: set[str] = attrs.field(factory=set)
+
+    def until_nothing_new(self, base: Settings, spared: frozenset[harness.Variant]) -> None:
+        watched = watch(self.run.implementation, self.used)
+        rank = machine_rank(self.machine)
+        for _ in range(ROUNDS):
+            try:
+                outcome = harness.run_machine(self.machine, watched, base, known=self.known, spared=spared)
+            except DeclarationError as error:
+                raise AdapterError(f"{self.run.path}: {error}") from None
+            statistics = outcome.statistics
+            self.runs, self.examples, self.steps = (
+                self.runs + 1,
+                self.examples + statistics.examples,
+                self.steps + statistics.steps,
+            )
+            if not self.used:
+                self.ended = BORROWED_ONLY
+                return
+            self.run.judged.update(self.machine.judges)
+            self.run.checks.update(statistics.checks)
+            self.run.checks_after_known.update(statistics.checks_after_known)
+            if not outcome.findings:
+                self.ended = "every example broke a known rule" if outcome.unsatisfiable else "nothing new"
+                return
+            self.findings += len(outcome.findings)
+            context = ReplayContext(self.title, self.known, spared)
+            for finding in outcome.findings:
+                merge(
+                    self.run,
+                    self.title,
+                    attrs.evolve(finding, blob=context.token(self.run.path, finding.blob)),
+                    rank(finding),
+                )
+                if finding.invariant is None:
+                    self.ended = MACHINE_FAILED
+                elif finding.tier == "caller contract":
+                    spared |= {(finding.operation, finding.variant)}
+                    self.contract_findings.append(finding)
+                else:
+                    self.known |= {finding.invariant}
+            if self.ended == MACHINE_FAILED:
+                return
+        self.ended = "budget spent"
+
+
+@attrs.frozen
+class ReplayContext:
+    """How a machine was bound when it found something: what ``kvspec replay`` needs to run that example again."""
+
+    machine: str
+    known: frozenset[Invariant]
+    spared: frozenset[harness.Variant]
+
+    def token(self, path: str, blob: str) -> str:
+        if not blob:
+            return ""
+        payload = {
+            "impl": path,
+            "machine": self.machine,
+            "known": sorted(rule.name for rule in self.known),
+            "spared": sorted(map(list, self.spared)),
+            "blob": blob,
+        }
+        return base64.urlsafe_b64encode(json.dumps(payload).encode()).decode()
+
+
+def replay(token: str, machines: Sequence[MachineEntry] = ()) -> tuple[str, harness.Finding | None]:
+    """Run the example a verdict printed (``Violation.replay``) again: the implementation it names, and its
+    finding now (None: it no longer fails)."""
+    try:
+        payload = json.loads(base64.urlsafe_b64decode(token.encode()))
+        path, title, known, spared, blob = (payload[k] for k in ("impl", "machine", "known", "spared", "blob"))
+    except (ValueError, KeyError, TypeError):
+        raise UsageError("not a replay token printed by kvspec check") from None
+    machine = dict(choose(None, machines)).get(title)
+    if machine is None:
+        raise UsageError(f"no machine titled {title!r}")
+    implementation = load_implementation(path)
+    rules = frozenset(REGISTRY[name] for name in known if name in REGISTRY)
+    variants = frozenset((operation, variant) for operation, variant in spared)
+    return path, harness.replay(machine, implementation, blob, known=rules, spared=variants)
 
 
 def machine_rank(machine: type[harness.LockstepMachine]) -> Callable[[harness.Finding], int]:
@@ -439,19 +554,22 @@ def merge(run: Run, machine: str, finding: harness.Finding, rank: int) -> None:
     the machine."""
     rule = finding.invariant
     name = rule.name if rule else "uncaught error"
-    operation = finding.operation if finding.tier == "caller contract" else ""
+    contract = finding.tier == "caller contract"
+    operation, variant = (finding.operation, finding.variant) if contract else ("", "")
     consequences = tuple(f"{r.name} ({r.tier}): {detail}" for r, detail in finding.consequences)
     offer = run.implementation.offers().get(kind_of(run.implementation, operation)) if operation else None
     emulated = bool(offer and operation in offer.emulated)
-    new = Violation(name, finding.tier, operation, finding.detail, (machine,), finding.steps, consequences)
-    new = attrs.evolve(new, emulated=emulated)
-    old = run.found.get((name, operation))
+    new = Violation(
+        name, finding.tier, operation, finding.detail, (machine,), finding.steps, consequences, variant=variant
+    )
+    new = attrs.evolve(new, emulated=emulated, replay=finding.blob)
+    old = run.found.get((name, operation, variant))
     if old is not None:
         old_violation, old_rank = old
         if (old_rank, len(old_violation.steps)) <= (rank, len(new.steps)):
             new, rank = old_violation, old_rank
         new = attrs.evolve(new, machines=(*old_violation.machines, machine))
-    run.found[(name, operation)] = (new, rank)
+    run.found[(name, operation, variant)] = (new, rank)
 
 
 def kind_of(implementation: Implementation, operation: str) -> str:
@@ -483,9 +601,11 @@ def group_knock_ons(violations: list[Violation]) -> list[Violation]:
 
 
 def verdict_of(run: Run, profile: str) -> Verdict:
-    violated = {name for name, _ in run.found}
+    violated = {name for name, _, _ in run.found}
     implementation = run.implementation
-    unoffered = harness.LockstepMachine.bind(implementation).unoffered
+    # a rule judged only through borrowed components is "not offered" by this implementation
+    borrowed = {kind: None for kind in implementation.borrowed if kind in attrs.fields_dict(Implementation)}
+    unoffered = harness.unoffered(attrs.evolve(implementation, **borrowed))
 
     def verdict(rule: Invariant) -> str:
         if rule.name in violated:
@@ -502,7 +622,7 @@ def verdict_of(run: Run, profile: str) -> Verdict:
         RuleVerdict(rule.name, rule.layer, rule.tier, verdict(rule), run.checks[rule], run.checks_after_known[rule])
         for _, rule in sorted(REGISTRY.items(), key=lambda item: (item[1].layer, item[0]))
     )
-    violations = group_knock_ons([in_production(run.path, v) for v, _ in run.found.values()])
+    violations = group_knock_ons([v for v, _ in run.found.values()])
     return Verdict(
         implementation=implementation.name,
         path=run.path,

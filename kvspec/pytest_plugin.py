@@ -47,7 +47,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     try:
         config.stash[SELECTION] = loading.select(config.getoption("--kv-impl"))
-    except loading.AdapterError as error:
+    except (loading.AdapterError, loading.UsageError) as error:
         raise pytest.UsageError(f"--kv-impl: {error}") from None
 
 

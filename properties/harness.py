@@ -42,6 +42,7 @@ that break ``known`` ones (a verdict's reruns look past what it has found).
 
 from __future__ import annotations
 
+import re
 import sys
 import traceback
 from collections import Counter
@@ -51,11 +52,11 @@ from types import ModuleType
 from typing import Any, ClassVar, TypeVar
 
 import attrs
-from hypothesis import HealthCheck, Phase, assume, event
+from hypothesis import HealthCheck, Phase, Verbosity, assume, event
 from hypothesis import settings as Settings
 from hypothesis.control import current_build_context
-from hypothesis.errors import Flaky, Unsatisfiable
-from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+from hypothesis.errors import DidNotReproduce, Flaky, Unsatisfiable
+from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, run_state_machine_as_test
 
 from kvspec.spec.components import DeclarationError
 from kvspec.spec.errors import InvalidOperation, KVSpecError, verdict
@@ -74,7 +75,8 @@ from kvspec.spec.invariants import (
     invariant_verdict_matches_spec,
 )
 
-EVERY_OPERATION = frozenset({"*"})  # spared: no out-of-contract call is sent
+Variant = tuple[str, str]  # an out-of-contract call's operation and its kind (``variant_of``); "" is every kind
+EVERY_OPERATION: frozenset[Variant] = frozenset({("*", "")})  # spared: no out-of-contract call is sent
 OVERWRITTEN = -1  # what the caller writes over a list it has handed over: no token, block or id
 KVSPEC_SOURCES = (str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "spec"))
 
@@ -82,7 +84,7 @@ M = TypeVar("M", bound="LockstepMachine")
 
 
 class SafetyViolation(InvariantViolation):
-    """A finding filed under safety (each tier its own class, so that Hypothesis shrinks each apart)."""
+    """A finding filed under safety."""
 
 
 class CallerContractViolation(InvariantViolation):
@@ -96,6 +98,33 @@ class ConventionViolation(InvariantViolation):
 VIOLATION_OF_TIER: Mapping[str, type[InvariantViolation]] = dict(
     zip(TIERS, (SafetyViolation, CallerContractViolation, ConventionViolation), strict=True)
 )
+_VIOLATION_CLASSES: dict[tuple[str, str, str], type[InvariantViolation]] = {}
+
+
+def violation_class(rule: Invariant, operation: str, variant: str) -> type[InvariantViolation]:
+    """One exception class per distinct finding (rule, and for a contract rule its call's kind): Hypothesis
+    tells failures apart by class, so one run finds and shrinks each distinct finding on its own, and a
+    shrink never slips from one tier's finding to another's."""
+    key = (rule.name, operation, variant) if rule.tier == "caller contract" else (rule.name, "", "")
+    if key not in _VIOLATION_CLASSES:
+        name = f"{VIOLATION_OF_TIER[rule.tier].__name__}[{' '.join(filter(None, key))}]"
+        _VIOLATION_CLASSES[key] = type(name, (VIOLATION_OF_TIER[rule.tier],), {"__module__": __name__})
+    return _VIOLATION_CLASSES[key]
+
+
+def variant_of(error: BaseException) -> str:
+    """The kind of an out-of-contract call: the spec's reason with its values blurred by sign and shape
+    (``cannot allocate -1 blocks`` and ``cannot allocate -5 blocks`` are one kind, ``... 0 blocks`` another)."""
+
+    def blur(number: re.Match[str]) -> str:
+        value = float(number.group())
+        if not value.is_integer():
+            return "x"
+        return "-n" if value < 0 else ("0" if value == 0 else "n")
+
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "'s'", str(error))
+    text = re.sub(r"-?\d+(?:\.\d+)?", blur, text)
+    return re.sub(r"(?:n, )+n", "n, ...", text)
 
 
 @attrs.frozen
@@ -113,6 +142,7 @@ class Failure:
     invariant: Invariant
     detail: str
     operation: str
+    variant: str = ""
 
 
 class Subject:
@@ -166,27 +196,34 @@ class LockstepMachine(RuleBasedStateMachine):
     checks (``judges``); against an implementation that does not offer what it
     requires it does not run.  Its rules reach optional operations through
     ``offers`` (a rule's precondition).
+
+    Its rules, invariants and helpers may take any name but the harness's
+    (``RESERVED``: ``subject``, ``check``, ``record``, ... and Hypothesis's),
+    which ``bind`` refuses in one line; the harness keeps its own state in
+    ``_`` names.
     """
 
     implementation: ClassVar[Implementation]
     uses: ClassVar[frozenset[str]] = frozenset()  # the component kinds it builds
     requires: ClassVar[Mapping[str, frozenset[str]]] = {}  # kind -> the optional operations it cannot run without
     judges: ClassVar[tuple[str, ...]] = ()  # the spec layers whose rules it checks, its own first
-    only: ClassVar[frozenset[Invariant] | None] = None
-    known: ClassVar[frozenset[Invariant]] = frozenset()
-    spared: ClassVar[frozenset[str]] = frozenset()  # operations whose out-of-contract calls are not sent
+    _only: ClassVar[frozenset[Invariant] | None] = None
+    _known: ClassVar[frozenset[Invariant]] = frozenset()
+    _spared: ClassVar[frozenset[Variant]] = frozenset()  # out-of-contract calls not sent
+    _probing: ClassVar[Variant | None] = None  # the one out-of-contract call sent, to see what it leads to
     recycles_buffers: ClassVar[bool] = True  # see "Buffer ownership" in the module docstring
     statistics: ClassVar[Statistics]
-    unoffered: ClassVar[frozenset[Invariant]] = frozenset()  # rules whose every needed operation is left out
+    _unoffered: ClassVar[frozenset[Invariant]] = frozenset()  # rules whose every needed operation is left out
 
     def __init__(self) -> None:
         super().__init__()
-        self.steps: list[str] = []
+        self._steps: list[str] = []  # the calls recorded, as a failure prints them
         self._buffers: list[list[Any]] = []  # lists handed over and overwritten, to carry the next call's
         self._answers: list[tuple[list[Any], list[Any], str, int]] = []  # answered list, caller's copy, call, step
         self._failures: list[Failure] = []
         self._steps_at_release: int | None = None  # calls recorded when the last step ended
-        self.after_known = False  # a known finding happened in this example: only safety is checked now
+        self._after_known = False  # a known finding happened in this example: only safety is checked now
+        self._accepted_at: int | None = None  # calls made when the probed out-of-contract call was accepted
         self._called: set[str] = set()
         type(self).statistics.examples += 1
 
@@ -197,24 +234,29 @@ class LockstepMachine(RuleBasedStateMachine):
         *,
         only: frozenset[Invariant] | None = None,
         known: frozenset[Invariant] = frozenset(),
-        spared: frozenset[str] | None = None,
+        spared: frozenset[Variant] | None = None,
+        probing: Variant | None = None,
     ) -> type[M]:
         """This machine against ``implementation``.
 
         ``only``: check only these invariants.  ``known``: findings already made; an example that breaks
         one of them goes on checking safety alone (a known safety finding discards it).  ``spared``: the
-        operations whose out-of-contract calls are not sent (default: every one to an implementation that
-        trusts its caller, none to another).
+        out-of-contract calls not sent, as (operation, kind) (default: every one to an implementation that
+        trusts its caller, none to another).  ``probing``: send only this kind of out-of-contract call, and
+        after the implementation accepts one, check safety alone: what breaks is its consequence.
         """
+        check_names(cls)
         if spared is None:
             spared = EVERY_OPERATION if implementation.conventions.trusts_caller else frozenset()
         namespace: dict[str, Any] = {
+            "_bound": True,
             "implementation": implementation,
-            "only": only,
-            "known": known,
-            "spared": spared,
+            "_only": only,
+            "_known": known,
+            "_spared": spared,
+            "_probing": probing,
             "statistics": Statistics(),
-            "unoffered": frozenset(rule for rule in REGISTRY.values() if not offers_any(implementation, rule.needs)),
+            "_unoffered": unoffered(implementation),
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
         }
@@ -223,6 +265,9 @@ class LockstepMachine(RuleBasedStateMachine):
     @classmethod
     def not_offered(cls, implementation: Implementation) -> str:
         """Why this machine cannot run against ``implementation`` ("" when it can)."""
+        absent = sorted(kind for kind in cls.uses if kind not in implementation.offers())
+        if absent:
+            return f"not offered: no {', '.join(absent)}"
         missing = [
             f"{kind}.{operation}"
             for kind, operations in cls.requires.items()
@@ -245,26 +290,28 @@ class LockstepMachine(RuleBasedStateMachine):
         return Subject(self, name, spec, model, impl, snapshot)
 
     def record(self, text: str) -> None:
-        self.steps.append(text)
+        self._steps.append(text)
         type(self).statistics.steps += 1
 
     # -- checking ---------------------------------------------------------------------
 
-    def check(self, rule: Invariant, *args: Any, operation: str = "", against_model: bool = False) -> None:
+    def check(
+        self, rule: Invariant, *args: Any, operation: str = "", variant: str = "", against_model: bool = False
+    ) -> None:
         """Evaluate ``rule`` on ``args``; a failure is filed at the end of the step, under the highest tier.
 
         ``against_model``: the arguments include the model's expectation, which stops meaning anything once
         the example has broken a known rule (the model and the implementation have parted).
         """
-        if (self.only is not None and rule not in self.only) or rule in self.unoffered:
+        if (self._only is not None and rule not in self._only) or rule in self._unoffered:
             return
-        if self.after_known and (rule.tier != "safety" or against_model):
+        if self._after_known and (rule.tier != "safety" or against_model):
             return
         statistics = type(self).statistics
-        (statistics.checks_after_known if self.after_known else statistics.checks)[rule] += 1
+        (statistics.checks_after_known if self._after_known else statistics.checks)[rule] += 1
         problem = rule(*args)
         if problem is not None:
-            self._failures.append(Failure(rule, problem, operation))
+            self._failures.append(Failure(rule, problem, operation, variant))
 
     def check_group(self, group: Group, *args: Any) -> None:
         for rule, arguments in group.evaluations(*args):
@@ -279,23 +326,34 @@ class LockstepMachine(RuleBasedStateMachine):
     def _file_findings(self) -> None:
         """Raise the step's finding under the highest tier that failed, naming the others as consequences.
 
-        When every rule that failed is already known: a known safety finding discards the example (its
-        state is past the rules still to find); any other goes on checking safety alone.
+        An implementation that trusts its caller is not answerable for what an out-of-contract call does:
+        at a step where it accepted one, that call is the finding and the rest are its consequences.  When
+        every rule that failed is already known: a known safety finding discards the example (its state is
+        past the rules still to find); any other goes on checking safety alone.
         """
         failures, self._failures = self._failures, []
-        fresh = [f for f in failures if f.invariant not in self.known]
+        fresh = [f for f in failures if not self._is_known(f)]
         if not fresh:
             if any(f.invariant.tier == "safety" for f in failures):
                 assume(False)
-            if failures and not self.after_known:
-                self.after_known = True
+            if failures and not self._after_known:
+                self._after_known = True
                 type(self).statistics.examples_after_known += 1
                 event("broke a known rule: checking safety alone from here")
             return
-        top = min(fresh, key=lambda f: TIERS.index(f.invariant.tier))
+        trusted = self.implementation.conventions.trusts_caller
+        top = min(fresh, key=lambda f: (not (trusted and f.invariant.tier == "caller contract"), tier_rank(f)))
         consequences = tuple((f.invariant, f.detail) for f in failures if f is not top)
-        cls = VIOLATION_OF_TIER[top.invariant.tier]
-        raise cls(top.invariant, top.detail, top.operation, consequences, tuple(self.steps))
+        after = None if self._accepted_at is None else len(self._steps) - self._accepted_at
+        cls = violation_class(top.invariant, top.operation, top.variant)
+        raise cls(top.invariant, top.detail, top.operation, consequences, tuple(self._steps), top.variant, after)
+
+    def _is_known(self, failure: Failure) -> bool:
+        """Known already: the rule was found, or it is the probed out-of-contract call being accepted."""
+        probed = (failure.operation, failure.variant) == self._probing
+        return (
+            failure.invariant is invariant_out_of_contract_call_rejected and probed
+        ) or failure.invariant in self._known
 
     # -- one call on both sides ---------------------------------------------------------
 
@@ -320,7 +378,8 @@ class LockstepMachine(RuleBasedStateMachine):
         except KVSpecError as error:
             result, spec_error = None, error
         out_of_contract = isinstance(spec_error, InvalidOperation)
-        if out_of_contract and (self.spared == EVERY_OPERATION or operation in self.spared):
+        variant = variant_of(spec_error) if spec_error is not None and out_of_contract else ""
+        if out_of_contract and self._spares(operation, variant):
             self._overwrite(lent)
             return None
         self.record(label)
@@ -339,9 +398,14 @@ class LockstepMachine(RuleBasedStateMachine):
         if out_of_contract:
             answered = verdict(impl_error) if typed(impl_error) else crash_report(impl_error)
             rejected = (verdict(spec_error), answered, before, snapshots())
-            self.check(invariant_out_of_contract_call_rejected, *rejected, operation=operation)
+            self.check(invariant_out_of_contract_call_rejected, *rejected, operation=operation, variant=variant)
             event(f"{operation} out of contract, rejected")
-            return Answer(actual, actual) if impl_error is None and self.after_known else None
+            if impl_error is not None:
+                return None
+            if self._probing == (operation, variant) and self._accepted_at is None:
+                self._accepted_at, self._after_known = len(self._steps), True
+            # What a trusting implementation accepted, its caller now holds: the caller follows it.
+            return Answer(actual, actual) if self._after_known or self.conventions.trusts_caller else None
         if not typed(impl_error):
             self.check(invariant_no_untyped_error, crash_report(impl_error), operation=operation)
             return None
@@ -351,13 +415,22 @@ class LockstepMachine(RuleBasedStateMachine):
             self.check(invariant_failed_operation_changes_nothing, before, snapshots())
             return None
         if spec_error is not None:  # the verdicts differ: after a known finding the caller follows the implementation
-            return Answer(actual, actual) if self.after_known else None
+            return Answer(actual, actual) if self._after_known else None
         states, expected = split_result(result, [s.model for s in subjects])
         for s, state in zip(subjects, states, strict=True):
             s.model = state
         if judged_by is not None:
             self.check(judged_by, expected, actual, against_model=True)
         return Answer(expected, actual)
+
+    def _spares(self, operation: str, variant: str) -> bool:
+        """Whether this out-of-contract call is not sent (see ``bind``)."""
+        if self._probing is not None:
+            return (operation, variant) != self._probing
+        spared = self._spared
+        return bool(spared) and (
+            spared == EVERY_OPERATION or (operation, "") in spared or (operation, variant) in spared
+        )
 
     # -- buffer ownership ---------------------------------------------------------------
 
@@ -386,7 +459,7 @@ class LockstepMachine(RuleBasedStateMachine):
         if not self.recycles_buffers or type(answer) is not list:
             return answer
         mine = list(answer)
-        self._answers.append((answer, list(answer), call, len(self.steps)))
+        self._answers.append((answer, list(answer), call, len(self._steps)))
         return mine
 
     def _watch_answers(self, by: str) -> None:
@@ -395,7 +468,7 @@ class LockstepMachine(RuleBasedStateMachine):
 
     def _release_answers(self) -> None:
         """A step is over: the caller reuses the lists it was answered before it, as buffers of its next calls."""
-        step = len(self.steps)
+        step = len(self._steps)
         if self._steps_at_release is not None:
             for answered, _, _, at in self._answers:
                 if at <= self._steps_at_release:
@@ -411,13 +484,54 @@ class LockstepMachine(RuleBasedStateMachine):
         in_flight = sys.exc_info()[1]  # what ended the example, if it did not end well
         if self._failures and not isinstance(in_flight, InvariantViolation):
             self._file_findings()  # the rules that failed before the step crashed are its finding
-        if self.after_known and isinstance(in_flight, Exception) and not isinstance(in_flight, InvariantViolation):
+        crashed = isinstance(in_flight, Exception) and not isinstance(in_flight, InvariantViolation)
+        if crashed and self._after_known:
             assume(False)  # past a known finding the machine follows a model that has parted: spare the example
+        if crashed:
+            try:
+                setattr(in_flight, STEPS_OF_A_CRASH, tuple(self._steps))
+            except AttributeError:  # an exception type without a __dict__: its finding comes without steps
+                pass
+
+
+def tier_rank(failure: Failure) -> int:
+    return TIERS.index(failure.invariant.tier)
+
+
+OVERRIDABLE = frozenset({"uses", "requires", "judges", "recycles_buffers", "teardown"})  # a machine's to set
+RESERVED = (
+    frozenset(name for name in dir(LockstepMachine) if not name.startswith("__")) | {"implementation", "statistics"}
+) - OVERRIDABLE
+"""The harness's names, and Hypothesis's: a machine that defines one (a rule named ``record``, ``check``, ``subject``)
+would replace what the harness calls.  ``bind`` refuses such a machine in one line."""
+
+
+def check_names(machine: type[LockstepMachine]) -> None:
+    """Refuse a machine that defines a name the harness reserves (``RESERVED``), before anything runs."""
+    own = {name for klass in machine.__mro__ if is_written(klass) for name in vars(klass)}
+    clashes = sorted(own & RESERVED)
+    if clashes:
+        raise TypeError(
+            f"{machine.__qualname__} defines {', '.join(clashes)}: reserved by LockstepMachine or Hypothesis, rename it"
+        )
+
+
+def is_written(klass: type) -> bool:
+    """A machine class a person wrote: below ``LockstepMachine``, not a class ``bind`` made."""
+    return issubclass(klass, LockstepMachine) and klass is not LockstepMachine and not vars(klass).get("_bound")
+
+
+def unoffered(implementation: Implementation) -> frozenset[Invariant]:
+    """The rules no machine reaches against ``implementation``: it offers none of the operations each needs."""
+    return frozenset(rule for rule in REGISTRY.values() if not offers_any(implementation, rule.needs))
 
 
 def offers_any(implementation: Implementation, needs: tuple[str, ...]) -> bool:
     """Whether ``implementation`` offers one of ``needs`` ("kind.operation"); a rule that needs nothing, yes."""
     return not needs or any(implementation.offers_operation(*need.split(".", 1)) for need in needs)
+
+
+STEPS_OF_A_CRASH = "_kvspec_steps"  # the calls made before an uncaught error, attached to it by ``teardown``
 
 
 def typed(error: BaseException | None) -> bool:
@@ -498,6 +612,9 @@ class Finding:
     operation: str
     steps: tuple[str, ...]
     consequences: tuple[tuple[Invariant, str], ...] = ()
+    variant: str = ""  # a contract finding's kind of call
+    after_steps: int | None = None  # under a probe: calls between the accepted out-of-contract call and this
+    blob: str = ""  # "hypothesis version:choices" of the shrunk example, for ``replay``
 
     @property
     def tier(self) -> str:
@@ -526,16 +643,18 @@ def run_machine(
     *,
     only: frozenset[Invariant] | None = None,
     known: frozenset[Invariant] = frozenset(),
-    spared: frozenset[str] | None = None,
+    spared: frozenset[Variant] | None = None,
+    probing: Variant | None = None,
 ) -> Outcome:
-    """Run ``machine`` against ``implementation``; each tier's finding shrunk on its own.
+    """Run ``machine`` against ``implementation`` (``bind`` says what the keywords do); each distinct finding
+    shrunk on its own.
 
     Raises ``DeclarationError`` when a component could not be built: the adapter's error, not a finding.
     """
-    bound = machine.bind(implementation, only=only, known=known, spared=spared)
+    bound = machine.bind(implementation, only=only, known=known, spared=spared, probing=probing)
     settings = conformance_settings(settings)
     phases = [phase for phase in settings.phases if phase is not Phase.explain]  # slow, and adds nothing here
-    settings = Settings(settings, report_multiple_bugs=True, phases=phases)
+    settings = Settings(settings, report_multiple_bugs=True, phases=phases, print_blob=True)
     errors: list[BaseException] = []
     unsatisfiable = False
     try:
@@ -549,7 +668,48 @@ def run_machine(
     build_errors = [error for error in errors if isinstance(error, DeclarationError)]
     if build_errors:
         raise build_errors[0]
-    return Outcome(machine.__name__, tuple(finding_of(error) for error in errors), bound.statistics, unsatisfiable)
+    findings = tuple(attrs.evolve(finding_of(error), blob=blob_of(error)) for error in errors)
+    return Outcome(machine.__name__, findings, bound.statistics, unsatisfiable)
+
+
+REPRODUCE = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
+
+
+def blob_of(error: BaseException) -> str:
+    """The example that raised ``error``, as Hypothesis prints it for ``@reproduce_failure``."""
+    for note in getattr(error, "__notes__", ()):
+        found = REPRODUCE.search(note)
+        if found:
+            return f"{found.group(1)}:{found.group(2)}"
+    return ""
+
+
+def replay(
+    machine: type[LockstepMachine],
+    implementation: Implementation,
+    blob: str,
+    *,
+    only: frozenset[Invariant] | None = None,
+    known: frozenset[Invariant] = frozenset(),
+    spared: frozenset[Variant] | None = None,
+    probing: Variant | None = None,
+) -> Finding | None:
+    """Run the one example ``blob`` names (``Finding.blob``) against ``implementation``, bound as it was found;
+    its finding, or None if it no longer fails."""
+    version, _, choices = blob.partition(":")
+    bound = machine.bind(implementation, only=only, known=known, spared=spared, probing=probing)
+    settings = Settings(
+        conformance_settings(), database=None, print_blob=False, report_multiple_bugs=False, verbosity=Verbosity.quiet
+    )
+    test = get_state_machine_test(bound, settings=settings)
+    test._hypothesis_internal_use_reproduce_failure = (version, choices.encode())
+    try:
+        test()
+    except DidNotReproduce:
+        return None
+    except Exception as error:
+        return finding_of(error)
+    return None
 
 
 def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
@@ -562,9 +722,18 @@ def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 def finding_of(error: BaseException) -> Finding:
     """A finding from what ended a failing example: a violation, a crash of the implementation, or of kvspec."""
     if isinstance(error, InvariantViolation):
-        return Finding(error.invariant, error.detail, error.operation, error.steps, error.consequences)
+        return Finding(
+            error.invariant,
+            error.detail,
+            error.operation,
+            error.steps,
+            error.consequences,
+            error.variant,
+            error.after_steps,
+        )
     frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
     innermost = frames[-1].filename if frames else ""
+    steps = getattr(error, STEPS_OF_A_CRASH, ())
     if innermost and not str(Path(innermost).resolve()).startswith(KVSPEC_SOURCES):
-        return Finding(invariant_no_untyped_error, crash_report(error), "", ())  # the implementation crashed
-    return Finding(None, crash_report(error), "", ())
+        return Finding(invariant_no_untyped_error, crash_report(error), "", steps)  # the implementation crashed
+    return Finding(None, crash_report(error), "", steps)

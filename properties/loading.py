@@ -28,6 +28,11 @@ class AdapterError(Exception):
     """The implementation under test could not be loaded or built: the adapter's error, not a violation."""
 
 
+class UsageError(ValueError):
+    """A request that names nothing (an empty implementation, a layer word or profile no machine has):
+    checking nothing must not pass for a verdict."""
+
+
 def load_implementation(path: str) -> Implementation:
     """Import ``module:factory``, call it, validate the record and fill missing components from the reference."""
     implementation = build(path, factory_of(path))
@@ -89,8 +94,8 @@ def select(path: str | None) -> tuple[str, Implementation]:
     if path is None:
         path = os.environ.get(ENVIRONMENT_VARIABLE)
         if path == "":
-            raise AdapterError(f"${ENVIRONMENT_VARIABLE} is set but empty")
+            raise UsageError(f"${ENVIRONMENT_VARIABLE} is set but empty")
         path = path or REFERENCE
     if not path.strip():
-        raise AdapterError("the implementation named is empty; give module:factory")
+        raise UsageError("the implementation named is empty; give module:factory")
     return path, load_implementation(path)

@@ -4,15 +4,18 @@
 * ``ci`` -- derandomized, no database, failing examples printed as blobs.
 * ``thorough`` -- ten times the examples and twice the steps: before a release.
 
-``$KVSPEC_EXAMPLE_DB=DIR`` puts the example database of ``dev`` and
-``thorough`` in ``DIR``: processes (``pytest -n``) and machines (HypoFuzz
-workers on a shared file system) that point at one directory replay each
-other's failures and share what the fuzzer learned.
+The example database of ``dev`` and ``thorough`` lives in the user's cache
+(``$XDG_CACHE_HOME/kvspec/examples``, by default ``~/.cache/kvspec/examples``),
+never in the working directory.  ``$KVSPEC_EXAMPLE_DB=DIR`` puts it in
+``DIR`` instead: processes (``pytest -n``) and machines (HypoFuzz workers on a
+shared file system) that point at one directory replay each other's failures
+and share what the fuzzer learned.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
@@ -20,11 +23,15 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 SHARED_DATABASE = "KVSPEC_EXAMPLE_DB"
 
 
+def cache_directory() -> Path:
+    """kvspec's directory in the user's cache: Hypothesis's files go there, not into the working directory."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvspec"
+
+
 UNTIMED = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-EXPLORING = (
-    settings(UNTIMED, database=DirectoryBasedExampleDatabase(os.environ[SHARED_DATABASE]))
-    if os.environ.get(SHARED_DATABASE)
-    else UNTIMED
+EXPLORING = settings(
+    UNTIMED,
+    database=DirectoryBasedExampleDatabase(os.environ.get(SHARED_DATABASE) or cache_directory() / "examples"),
 )
 settings.register_profile("dev", EXPLORING, max_examples=60, stateful_step_count=40)
 settings.register_profile(

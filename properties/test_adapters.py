@@ -191,7 +191,7 @@ def test_vllm_verdict_safety_held_five_caller_contract_findings():
     assert verdict.conforms, str(verdict)
     assert not [v for v in verdict.violations if v.tier != "caller contract"], str(verdict)
     assert caller_contract_operations(verdict) == {"allocate", "evict", "register", "release", "share"}
-    assert all(v.in_production for v in verdict.violations), "each finding says what it means in production"
+    assert all(v.leads_to for v in verdict.violations), "each finding says what it leads to, measured"
     pool_safety = {r.invariant for r in verdict.rules if r.tier == "safety" and r.layer == "block_pool"}
     assert held_safety_rules(verdict, "block_pool") == pool_safety and pool_safety
 
@@ -204,7 +204,7 @@ def test_sglang_verdict_safety_held_three_caller_contract_findings():
     assert verdict.conforms, str(verdict)
     assert not [v for v in verdict.violations if v.tier != "caller contract"], str(verdict)
     assert caller_contract_operations(verdict) == {"evict", "insert", "unlock"}
-    assert all(v.in_production for v in verdict.violations), "each finding says what it means in production"
+    assert all(v.leads_to for v in verdict.violations), "each finding says what it leads to, measured"
     radix_safety = {r.invariant for r in verdict.rules if r.tier == "safety" and r.layer == "radix_cache"}
     assert held_safety_rules(verdict, "radix_cache") == radix_safety and radix_safety
 

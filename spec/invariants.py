@@ -133,11 +133,14 @@ class Group:
 class InvariantViolation(AssertionError):
     """Raised by a property suite when an invariant does not hold.
 
-    ``operation`` names the call that broke a caller-contract rule, so that a
-    verdict can tell "accepts a double free" from "registers a free block".
-    ``consequences`` are the rules of lower tiers that failed at the same step
-    (the finding is filed under the highest tier that failed); ``steps`` is the
-    operation sequence that led to it.
+    ``operation`` names the call that broke a caller-contract rule, and
+    ``variant`` the kind of out-of-contract call it was (the spec's reason, its
+    values blurred), so that a verdict can tell "accepts a double free" from
+    "releases a block of another pool".  ``consequences`` are the rules of lower
+    tiers that failed at the same step (the finding is filed under the highest
+    tier that failed); ``steps`` is the operation sequence that led to it, and
+    ``after_steps`` how many of its calls came after an accepted out-of-contract
+    call whose consequence this is.
     """
 
     def __init__(
@@ -147,6 +150,8 @@ class InvariantViolation(AssertionError):
         operation: str = "",
         consequences: tuple[tuple[Invariant, str], ...] = (),
         steps: tuple[str, ...] = (),
+        variant: str = "",
+        after_steps: int | None = None,
     ) -> None:
         super().__init__(f"{rule.name} violated ({rule.tier}): {detail} (why it matters: {rule.why})")
         self.invariant = rule
@@ -154,6 +159,8 @@ class InvariantViolation(AssertionError):
         self.operation = operation
         self.consequences = consequences
         self.steps = steps
+        self.variant = variant
+        self.after_steps = after_steps
 
 
 def require(rule: Invariant, *args: Any) -> None:

@@ -13,8 +13,7 @@ never needs them.  Install them apart from kvspec's core install, with the
 pinned lists next to this file (``requirements-vllm.txt``,
 ``requirements-sglang.txt``) and ``install-engines.sh``; the README gives the
 commands.  ``kvspec engines kvspec.adapters.vllm:factory kvspec.adapters.sglang:factory``
-runs both verdicts and writes ``docs/engines.md``; ``IN_PRODUCTION`` in each
-module says what each caller-contract finding means in production.
+runs the verdicts and writes ``docs/engines.md``.
 """
 
 from __future__ import annotations

@@ -65,15 +65,6 @@ from kvspec.spec.radix_cache import Key, RadixState, name_tokens
 
 VERSION = "0.5.23"
 
-# What each caller-contract finding (keyed by the operation kvspec check names) means in production.
-IN_PRODUCTION = {
-    "evict": "evict of zero or fewer tokens is a no-op rather than an error: harmless",
-    "insert": "values that do not match the key are accepted (SGLang cuts them to the key's length): a caller's "
-    "off-by-one caches the wrong KV indices without a word",
-    "unlock": "an unlock without its lock drives lock_ref below zero, so the next request's lock protects "
-    "nothing and eviction frees KV that request is reading",
-}
-
 
 def conventions(page_size: int = 1) -> Conventions:
     radix = RadixConventions(

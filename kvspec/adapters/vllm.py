@@ -58,20 +58,6 @@ CONVENTIONS = Conventions(
     trusts_caller=True,
 )
 
-# What each caller-contract finding (keyed by the operation kvspec check names) means in production.
-IN_PRODUCTION = {
-    "allocate": "get_new_blocks(-1) passes its free-count test and popleft_n(-1) adds one to num_free_blocks: "
-    "the scheduler then counts a block that does not exist (vLLM's own callers never ask for a negative count)",
-    "evict": "a negative count evicts nothing instead of being refused (the adapter's mapping: vLLM's evict_blocks "
-    "takes block ids, not a count)",
-    "register": "_insert_block_hash caches a free block: until it is handed out again, a prefix hit revives "
-    "whatever that block last held",
-    "release": "a double free drives ref_cnt to -1 while the block stays queued: the get_new_blocks that reaches "
-    "it trips its assert ref_cnt == 0 (under python -O it hands the block out at count 0, and the holder's free "
-    "leaves it at -1 outside the queue: leaked)",
-    "share": "touch revives a free block that carries no hash: the request reads KV that no longer belongs to it",
-}
-
 
 def engine_block_pool() -> Any:
     """vLLM's ``BlockPool`` class (importing vLLM takes a few seconds)."""

@@ -18,7 +18,7 @@ from hypothesis import settings as Settings
 
 from kvspec.impl import broken
 from kvspec.impl.broken import Catch
-from kvspec.properties.harness import LockstepMachine, run_machine
+from kvspec.properties.harness import LockstepMachine, replay, run_machine
 from kvspec.properties.loading import load_implementation
 from kvspec.spec.invariants import Invariant
 
@@ -37,9 +37,11 @@ def zoo() -> list[tuple[str, Catch]]:
 
 
 def assert_caught(machine: type[LockstepMachine], factory: str, rule: Invariant) -> None:
-    """Run ``machine`` against the broken ``factory``, checking ``rule`` alone; it must be violated."""
+    """Run ``machine`` against the broken ``factory``, checking ``rule`` alone; it must be violated, and the
+    example that shows it must replay to the same finding on the same printed sequence."""
     settings = Settings(Settings(), derandomize=True, database=None, phases=DETECTION)
-    outcome = run_machine(machine, load_implementation(factory), settings, only=frozenset({rule}))
+    implementation = load_implementation(factory)
+    outcome = run_machine(machine, implementation, settings, only=frozenset({rule}))
     finding = outcome.finding
     assert finding is not None, (
         f"{factory} should violate {rule.name}; {outcome.statistics.examples} examples found nothing"
@@ -48,3 +50,6 @@ def assert_caught(machine: type[LockstepMachine], factory: str, rule: Invariant)
     got = finding.invariant.name if finding.invariant else "no invariant"
     assert finding.invariant is rule, f"{factory} should violate {rule.name}, got {got}: {finding.detail}\n    {shown}"
     assert finding.steps, f"{factory}: the violation of {rule.name} came without its operation sequence"
+    replayed = replay(machine, implementation, finding.blob, only=frozenset({rule}))
+    assert replayed is not None, f"{factory}: the example of {rule.name} did not replay"
+    assert (replayed.invariant, replayed.steps) == (rule, finding.steps), f"{factory}: replayed {replayed}"

@@ -1,12 +1,12 @@
-"""``docs/engines.md``: each engine's findings come with what they mean in production.
+"""``docs/engines.md``: each caller-contract finding comes with what it leads to, measured.
 
-No engine is needed: the adapters import their engines only when a factory is called.
+No engine is needed: a verdict is rendered from findings made by hand.
 """
 
 from __future__ import annotations
 
-from kvspec.adapters import sglang, vllm
-from kvspec.conformance import Verdict, Violation, in_production
+from kvspec.adapters import sglang
+from kvspec.conformance import Verdict, Violation
 
 
 def unlock_finding() -> Violation:
@@ -17,26 +17,18 @@ def unlock_finding() -> Violation:
         detail="the spec rejects the call with InvalidOperation, the implementation answers ok",
         machines=("radix cache",),
         steps=("radix = radix_cache()", "radix.unlock([0])"),
+        variant="cannot unlock (n): it holds no lock",
+        leads_to="invariant_radix_locked_never_evicted breaks 2 calls later: evicted locked tokens [(0,)]",
+        leads_to_steps=("radix = radix_cache()", "radix.unlock([0])", "radix.lock([0])", "radix.evict(1)"),
     )
 
 
-def test_a_caller_contract_finding_takes_its_line_from_the_adapter() -> None:
-    finding = in_production("kvspec.adapters.sglang:factory", unlock_finding())
-    assert finding.in_production == sglang.IN_PRODUCTION["unlock"]
-    assert in_production("kvspec.impl:reference", unlock_finding()).in_production == ""
-
-
-def test_the_page_renders_each_finding_with_its_sequence_and_its_production_line() -> None:
-    finding = in_production("kvspec.adapters.sglang:factory", unlock_finding())
+def test_the_page_renders_each_finding_with_its_sequence_and_what_it_leads_to() -> None:
+    finding = unlock_finding()
     verdict = Verdict("SGLang", "kvspec.adapters.sglang:factory", "ci", sglang.conventions(), (), (finding,), ())
     section = verdict.markdown()
-    line = f"in production: {sglang.IN_PRODUCTION['unlock']}"
-    assert section.index(finding.heading) < section.index(line) < section.index("radix.unlock([0])")
+    leads_to = f"what it leads to (measured): {finding.leads_to}"
+    assert section.index(finding.heading) < section.index("radix.unlock([0])") < section.index(leads_to)
+    assert section.index(leads_to) < section.index("radix.evict(1)")
     assert "lock by handle, page size 1, extra-key namespaces yes" in section
-    assert f"in production: {sglang.IN_PRODUCTION['unlock']}" in str(verdict)
-
-
-def test_every_adapter_says_what_each_operation_it_trusts_means_in_production() -> None:
-    """The operations kvspec check finds each engine trusting its caller with (properties/test_adapters.py)."""
-    assert set(vllm.IN_PRODUCTION) == {"allocate", "evict", "register", "release", "share"}
-    assert set(sglang.IN_PRODUCTION) == {"evict", "insert", "unlock"}
+    assert leads_to in str(verdict) and "trusts caller: " + finding.heading in str(verdict)
