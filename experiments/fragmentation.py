@@ -536,7 +536,9 @@ def _print(results: dict[str, Any]) -> None:
             ],
             title=(
                 f"Demo 3: mean requests per iteration over seeds {seeds} (vLLM Fig. 13's setting;"
-                " the paper measured 2.2x Oracle, 4.3x Max on ShareGPT)"
+                " the paper measured "
+                + ", ".join(f"{ratio}x {other}" for other, ratio in PAPER_CONCURRENCY_RATIOS.items())
+                + " on ShareGPT)"
             ),
         )
     )
