@@ -145,19 +145,25 @@ class Failure:
     variant: str = ""
 
 
+Specs = ModuleType | tuple[ModuleType, ...]  # the spec module(s) that model a subject
+
+
 class Subject:
     """An implementation object driven in lockstep with the spec module that models it.
 
-    ``model`` is the model's current state (None: no model, the implementation
-    runs alone and every call is only recorded); ``snapshot`` reads the
-    implementation's abstract state (default: its ``snapshot()``).
+    ``spec`` may be several modules: a layer and those that add operations to
+    its component (the block manager and ``spec.tiered_swap``); an operation's
+    transition is the first module's that has it.  ``model`` is the model's
+    current state (None: no model, the implementation runs alone and every
+    call is only recorded); ``snapshot`` reads the implementation's abstract
+    state (default: its ``snapshot()``).
     """
 
     def __init__(
         self,
         machine: LockstepMachine,
         name: str,
-        spec: ModuleType | None,
+        spec: Specs | None,
         model: Any,
         impl: Any,
         snapshot: Callable[[], object] | None = None,
@@ -167,6 +173,14 @@ class Subject:
 
     def __repr__(self) -> str:
         return self.name
+
+    def transition(self, operation: str) -> Callable[..., Any]:
+        """The spec's function for ``operation``."""
+        modules = (self.spec,) if isinstance(self.spec, ModuleType) else self.spec or ()
+        for module in modules:
+            if hasattr(module, operation):
+                return getattr(module, operation)
+        raise AttributeError(f"no spec module of {self.name} models {operation!r}")
 
     def __call__(
         self, operation: str, *args: Any, judged_by: Invariant | None = invariant_result_matches_spec, note: str = ""
@@ -285,7 +299,7 @@ class LockstepMachine(RuleBasedStateMachine):
         return self.implementation.offers_operation(kind, operation)
 
     def subject(
-        self, name: str, spec: ModuleType | None, model: Any, impl: Any, snapshot: Callable[[], object] | None = None
+        self, name: str, spec: Specs | None, model: Any, impl: Any, snapshot: Callable[[], object] | None = None
     ) -> Subject:
         return Subject(self, name, spec, model, impl, snapshot)
 
@@ -374,7 +388,7 @@ class LockstepMachine(RuleBasedStateMachine):
                 self._overwrite(lent)
         try:
             model_args = [arg.model if isinstance(arg, Subject) else arg for arg in args]
-            result, spec_error = getattr(subject.spec, operation)(subject.model, *model_args), None
+            result, spec_error = subject.transition(operation)(subject.model, *model_args), None
         except KVSpecError as error:
             result, spec_error = None, error
         out_of_contract = isinstance(spec_error, InvalidOperation)
