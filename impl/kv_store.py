@@ -1,21 +1,30 @@
 """The reference tiered KV store: per-node tiers, a global directory, cascading demotion.
 
 Each node keeps one record per block it holds (tier, contents, uses, last
-use, pins) and one set of keys per tier; the directory maps a key to the
-nodes holding it, so ``lookup`` and re-``put`` touch only the replicas.
-Making room plans the whole cascade (which victim moves where) before moving
-anything, so an operation that runs out of room changes nothing.
+use, pins, readiness, lease, ARC list) and one set of keys per tier; the
+directory maps a key to the nodes holding it, so ``lookup`` and re-``put``
+touch only the replicas.  Making room plans the whole cascade (which victim
+moves where, with each ARC tier's target as the copy entering it would adapt
+it) before moving anything, so an operation that runs out of room changes
+nothing.  Every convention of ``StoreConventions`` is supported: the factory
+``KVStore`` builds the reference's, ``with_conventions(c)`` another profile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import functools
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 
 import attrs
 
-from kvspec.spec.block_pool import POLICIES, Policy
+from kvspec.spec.conventions import StoreConventions, StorePolicy
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
-from kvspec.spec.kv_store import TIERS, Location, StoreState, Tokens
+from kvspec.spec.kv_store import Location, StoreState, Tokens
+from kvspec.spec.kv_store_policies import STORE_POLICIES, ArcLists
+
+REFERENCE = StoreConventions()
 
 
 @attrs.define
@@ -25,29 +34,115 @@ class Block:
     uses: int
     last_use: int
     pins: int = 0
+    ready: bool = True
+    lease_until: float = 0.0
+    frequent: bool = False  # ARC: used again since stored
+
+
+@attrs.define
+class Ghosts:
+    """An ARC tier's ghost lists (oldest first) and the target size of its recent list."""
+
+    recent: OrderedDict[Hashable, None] = attrs.field(factory=OrderedDict)
+    frequent: OrderedDict[Hashable, None] = attrs.field(factory=OrderedDict)
+    target: float = 0.0
 
 
 class Node:
-    def __init__(self) -> None:
+    def __init__(self, tiers: int) -> None:
         self.blocks: dict[Hashable, Block] = {}
-        self.tiers: list[set[Hashable]] = [set() for _ in TIERS]
+        self.tiers: list[set[Hashable]] = [set() for _ in range(tiers)]
+        self.ghosts = [Ghosts() for _ in range(tiers)]
 
 
 class KVStore:
-    def __init__(self, nodes: int, capacities: Sequence[int], policies: Sequence[Policy]) -> None:
-        if not isinstance(nodes, int) or nodes < 1:
-            raise InvalidOperation(f"a store needs a positive number of nodes, got {nodes!r}")
-        if len(capacities) != len(TIERS) or any(not isinstance(c, int) or c < 1 for c in capacities):
-            raise InvalidOperation(f"need a positive capacity for each tier {TIERS}, got {tuple(capacities)!r}")
-        if len(policies) != len(TIERS) or any(p not in POLICIES for p in policies):
-            raise InvalidOperation(f"need a policy from {POLICIES} for each tier, got {tuple(policies)!r}")
+    def __init__(
+        self,
+        nodes: int,
+        capacities: Sequence[int],
+        policies: Sequence[StorePolicy],
+        conventions: StoreConventions = REFERENCE,
+    ) -> None:
+        names = conventions.tiers
+        if not isinstance(nodes, int) or nodes < 1 or (conventions.max_nodes and nodes > conventions.max_nodes):
+            raise InvalidOperation(f"a store needs 1..{conventions.max_nodes or 'any'} nodes, got {nodes!r}")
+        if len(capacities) != len(names) or any(not isinstance(c, int) or c < 1 for c in capacities):
+            raise InvalidOperation(f"need a positive capacity for each tier {names}, got {tuple(capacities)!r}")
+        supported = [p for p in conventions.policies if p in STORE_POLICIES]
+        if len(policies) != len(names) or any(p not in supported for p in policies):
+            raise InvalidOperation(f"need a policy from {tuple(supported)} for each tier, got {tuple(policies)!r}")
         self.capacities = tuple(capacities)
         self.policies = tuple(policies)
-        self._nodes: list[Node | None] = [Node() for _ in range(nodes)]
+        self.conventions = conventions
+        self._nodes: list[Node | None] = [Node(len(names)) for _ in range(nodes)]
         self._directory: dict[Hashable, set[int]] = {}
         self._clock = 0
+        self._now = 0.0
 
-    # -- helpers ------------------------------------------------------------------
+    # -- policy order -------------------------------------------------------------------
+
+    def _order(self, node: Node, tier: int, target: float | None = None) -> list[Hashable]:
+        blocks = node.blocks
+        if self.policies[tier] == "lfu":
+            return sorted(node.tiers[tier], key=lambda key: (blocks[key].uses, blocks[key].last_use))
+        by_recency = sorted(node.tiers[tier], key=lambda key: blocks[key].last_use)
+        if self.policies[tier] == "lru":
+            return by_recency
+        recent = [key for key in by_recency if not blocks[key].frequent]
+        frequent = [key for key in by_recency if blocks[key].frequent]
+        bound = int(node.ghosts[tier].target if target is None else target)
+        order = []
+        while recent or frequent:
+            order.append(recent.pop(0) if not frequent or (recent and len(recent) >= bound) else frequent.pop(0))
+        return order
+
+    def _free(self, block: Block) -> bool:
+        return block.ready and not block.pins and block.lease_until <= self._now
+
+    def _victim(self, node: Node, tier: int, target: float | None = None) -> Hashable | None:
+        if self.policies[tier] != "arc":
+            return next((key for key in self._order(node, tier) if self._free(node.blocks[key])), None)
+        by_recency = sorted(node.tiers[tier], key=lambda key: node.blocks[key].last_use)
+        recent = [key for key in by_recency if not node.blocks[key].frequent]
+        frequent = [key for key in by_recency if node.blocks[key].frequent]
+        bound = int(node.ghosts[tier].target if target is None else target)
+        lists = [recent, frequent, recent] if len(recent) >= bound else [frequent, recent]
+        return next((key for keys in lists for key in keys if self._free(node.blocks[key])), None)
+
+    # -- ARC ghosts -----------------------------------------------------------------------
+
+    def _adapted(self, node: Node, tier: int, key: Hashable) -> float:
+        """The target of ``tier`` once ``key`` entered it (a ghost hit adapts it)."""
+        ghosts = node.ghosts[tier]
+        if self.policies[tier] != "arc":
+            return ghosts.target
+        if key in ghosts.recent:
+            return min(ghosts.target + max(1.0, len(ghosts.frequent) / len(ghosts.recent)), self.capacities[tier])
+        if key in ghosts.frequent:
+            return max(ghosts.target - max(1.0, len(ghosts.recent) / len(ghosts.frequent)), 0.0)
+        return ghosts.target
+
+    def _enter(self, node: Node, tier: int, key: Hashable) -> None:
+        ghosts = node.ghosts[tier]
+        ghosts.target = self._adapted(node, tier, key)
+        for memory in (ghosts.recent, ghosts.frequent):
+            if key in memory:
+                memory.move_to_end(key)
+
+    def _leave(self, node: Node, tier: int, key: Hashable) -> None:
+        if self.policies[tier] == "arc":
+            ghosts = node.ghosts[tier]
+            memory = ghosts.frequent if node.blocks[key].frequent else ghosts.recent
+            memory[key] = None
+            memory.move_to_end(key)
+            while len(memory) > self.capacities[tier]:
+                memory.popitem(last=False)
+
+    def _admit(self, node: Node, tier: int, key: Hashable) -> None:
+        node.ghosts[tier].recent.pop(key, None)
+        node.ghosts[tier].frequent.pop(key, None)
+
+    # -- making room ------------------------------------------------------------------------
 
     def _node(self, node: object) -> Node:
         if not isinstance(node, int) or isinstance(node, bool) or not 0 <= node < len(self._nodes):
@@ -57,34 +152,39 @@ class KVStore:
             raise InvalidOperation(f"node {node} has failed; restart it first")
         return state
 
-    def _order(self, node: Node, tier: int) -> list[Hashable]:
-        if self.policies[tier] == "lru":
-            return sorted(node.tiers[tier], key=lambda key: node.blocks[key].last_use)
-        return sorted(node.tiers[tier], key=lambda key: (node.blocks[key].uses, node.blocks[key].last_use))
-
-    def _victim(self, node: Node, tier: int) -> Hashable | None:
-        return next((key for key in self._order(node, tier) if node.blocks[key].pins == 0), None)
-
-    def _room_plan(self, node: Node, tier: int) -> list[tuple[Hashable, int]]:
-        """The (victim, from tier) moves, top down, that free one slot of ``tier``."""
+    def _room_plan(self, node: Node, tier: int, entering: Hashable) -> list[tuple[Hashable, int]]:
+        """The (victim, tier it leaves) moves, top down, that make room in ``tier`` for ``entering``."""
         plan: list[tuple[Hashable, int]] = []
-        while tier < len(TIERS) and len(node.tiers[tier]) >= self.capacities[tier]:
-            victim = self._victim(node, tier)
+        while tier < len(self.capacities) and len(node.tiers[tier]) >= self.capacities[tier]:
+            victim = None
+            if self.conventions.eviction == "on_demand":
+                victim = self._victim(node, tier, self._adapted(node, tier, entering))
             if victim is None:
-                raise OutOfBlocks(1, 0, what=f"unpinned slots in the {TIERS[tier]} tier")
+                raise OutOfBlocks(1, 0, what=f"free slots in the {self.conventions.tiers[tier]} tier")
             plan.append((victim, tier))
-            tier += 1
+            entering, tier = victim, tier + 1
         return plan
 
-    def _apply(self, index: int, node: Node, plan: list[tuple[Hashable, int]]) -> None:
-        for victim, tier in reversed(plan):  # bottom first, so each move lands in a freed slot
-            if tier + 1 == len(TIERS):
+    def _apply(self, index: int, node: Node, plan: list[tuple[Hashable, int]], entering: Hashable, tier: int) -> None:
+        """Run ``plan`` (``_room_plan(node, tier, entering)``): every tier entered adapts, every victim becomes a
+        ghost of the tier it leaves, then the moves run bottom first, so each lands in a freed slot."""
+        for key, level in [(entering, tier), *((victim, level + 1) for victim, level in plan)]:
+            if level < len(self.capacities):
+                self._enter(node, level, key)
+        for victim, level in plan:
+            self._leave(node, level, victim)
+        for victim, level in reversed(plan):
+            if level + 1 == len(self.capacities):
                 self._drop(index, node, victim)
             else:
-                block = node.blocks[victim]
-                node.tiers[tier].discard(victim)
-                node.tiers[tier + 1].add(victim)
-                block.tier = tier + 1
+                self._move(node, victim, level + 1)
+
+    def _move(self, node: Node, key: Hashable, tier: int) -> None:
+        block = node.blocks[key]
+        node.tiers[block.tier].discard(key)
+        node.tiers[tier].add(key)
+        block.tier = tier
+        self._admit(node, tier, key)
 
     def _drop(self, index: int, node: Node, key: Hashable) -> None:
         block = node.blocks.pop(key)
@@ -98,12 +198,19 @@ class KVStore:
         node.blocks[key] = block
         node.tiers[block.tier].add(key)
         self._directory.setdefault(key, set()).add(index)
+        self._admit(node, block.tier, key)
 
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
 
-    # -- operations ------------------------------------------------------------------
+    def _use(self, block: Block) -> None:
+        block.uses, block.last_use, block.frequent = block.uses + 1, self._tick(), True
+
+    def _in_use(self, block: Block) -> bool:
+        return not self._free(block)
+
+    # -- operations ---------------------------------------------------------------------------
 
     def put(self, node: int, key: Hashable, tokens: Sequence[int]) -> None:
         here = self._node(node)
@@ -113,58 +220,73 @@ class KVStore:
         if not contents or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in contents):
             raise InvalidOperation(f"a block's contents are one or more token ids, got {contents!r}")
         replicas = [(n, self._node(n).blocks[key]) for n in sorted(self._directory.get(key, ()))]
-        pinned = [n for n, block in replicas if block.pins and block.tokens != contents]
-        if pinned:
-            raise InvalidOperation(f"block {key!r} is in flight on node(s) {pinned}: re-put it after the transfer")
+        if replicas and self.conventions.reput != "refresh":
+            mine = here.blocks.get(key)
+            if self.conventions.reput == "touch" and mine is not None and mine.ready:
+                self._use(mine)
+            return
+        in_flight = [n for n, block in replicas if self._in_use(block) and block.tokens != contents]
+        if in_flight:
+            raise InvalidOperation(f"block {key!r} is in flight on node(s) {in_flight}: re-put it after the transfer")
         mine = here.blocks.get(key)
         if mine is None:
-            plan = self._room_plan(here, 0)
+            plan = self._room_plan(here, 0, key)
             self._write_replicas(node, replicas, contents)
-            self._apply(node, here, plan)
-            self._insert(node, here, key, Block(tier=0, tokens=contents, uses=1, last_use=self._tick()))
+            self._apply(node, here, plan, key, 0)
+            ready = self.conventions.stores == "immediate"
+            self._insert(node, here, key, Block(tier=0, tokens=contents, uses=1, last_use=self._tick(), ready=ready))
             return
-        if not mine.pins and mine.tier != 0 and not self._promote(node, here, key):
-            raise OutOfBlocks(1, 0, what=f"unpinned slots in node {node}'s {TIERS[0]} tier")
+        if self._promotable(mine) and not self._promote(node, here, key):
+            raise OutOfBlocks(1, 0, what=f"free slots in node {node}'s {self.conventions.tiers[0]} tier")
         self._write_replicas(node, replicas, contents)
-        mine.uses, mine.last_use = mine.uses + 1, self._tick()
+        self._use(mine)
 
     def _write_replicas(self, writer: int, replicas: list[tuple[int, Block]], contents: Tokens) -> None:
         for _, block in replicas:
             block.tokens = contents
 
+    def _promotable(self, block: Block) -> bool:
+        return block.tier != 0 and self.conventions.promotion and not self._in_use(block)
+
     def _promote(self, index: int, node: Node, key: Hashable) -> bool:
-        """Move ``key`` to the GPU tier; False (and nothing moved) if no room can be made."""
+        """Move ``key`` to the first tier; False (and nothing moved) if no room can be made."""
         block = node.blocks[key]
         node.tiers[block.tier].discard(key)  # out of its tier first: its slot is the cascade's to use
         try:
-            plan = self._room_plan(node, 0)
+            plan = self._room_plan(node, 0, key)
         except OutOfBlocks:
             node.tiers[block.tier].add(key)
             return False
-        self._apply(index, node, plan)
+        self._apply(index, node, plan, key, 0)
         block.tier = 0
         node.tiers[0].add(key)
+        self._admit(node, 0, key)
         return True
 
     def get(self, node: int, key: Hashable) -> Tokens | None:
         here = self._node(node)
         block = here.blocks.get(key)
-        if block is None:
+        if block is None or not block.ready:
             return None
-        block.uses, block.last_use = block.uses + 1, self._tick()
-        if not block.pins and block.tier != 0:
+        self._use(block)
+        if self._promotable(block):
             self._promote(node, here, key)
+        if self.conventions.read_lease:
+            block.lease_until = max(block.lease_until, self._now + self.conventions.read_lease)
         return block.tokens
 
     def demote(self, node: int, tier: int) -> Hashable | None:
         here = self._node(node)
         self._check_tier(tier)
-        if tier == len(TIERS) - 1:
-            raise InvalidOperation(f"{TIERS[tier]} is the last tier: evict from it instead")
+        if tier == len(self.capacities) - 1:
+            raise InvalidOperation(f"{self.conventions.tiers[tier]} is the last tier: evict from it instead")
         victim = self._victim(here, tier)
         if victim is None:
             return None
-        self._apply(node, here, [(victim, tier), *self._room_plan(here, tier + 1)])
+        plan = self._room_plan(here, tier + 1, victim)
+        self._leave(here, tier, victim)
+        self._apply(node, here, plan, victim, tier + 1)
+        self._move(here, victim, tier + 1)
         return victim
 
     def evict(self, node: int, tier: int) -> Hashable | None:
@@ -172,6 +294,7 @@ class KVStore:
         self._check_tier(tier)
         victim = self._victim(here, tier)
         if victim is not None:
+            self._leave(here, tier, victim)
             self._drop(node, here, victim)
         return victim
 
@@ -179,14 +302,19 @@ class KVStore:
         origin, there = self._node(source), self._node(target)
         if key not in origin.blocks:
             raise InvalidOperation(f"node {source} holds no block {key!r}")
+        if not origin.blocks[key].ready:
+            raise InvalidOperation(f"block {key!r} on node {source} is still being stored")
         if key in there.blocks:
             raise InvalidOperation(f"node {target} already holds block {key!r}")
-        plan = self._room_plan(there, 0)
-        self._apply(target, there, plan)
+        plan = self._room_plan(there, 0, key)
+        self._apply(target, there, plan, key, 0)
         self._insert(target, there, key, Block(tier=0, tokens=origin.blocks[key].tokens, uses=1, last_use=self._tick()))
 
     def pin(self, node: int, key: Hashable) -> None:
-        self._held(node, key).pins += 1
+        block = self._held(node, key)
+        if not block.ready:
+            raise InvalidOperation(f"block {key!r} on node {node} is still being stored: nothing to transfer yet")
+        block.pins += 1
 
     def unpin(self, node: int, key: Hashable) -> None:
         block = self._held(node, key)
@@ -205,10 +333,66 @@ class KVStore:
             raise InvalidOperation(f"node {node!r} is not a node of this store (0..{len(self._nodes) - 1})")
         if self._nodes[node] is not None:
             raise InvalidOperation(f"node {node} is alive: only a failed node restarts")
-        self._nodes[node] = Node()
+        self._nodes[node] = Node(len(self.capacities))
 
     def lookup(self, key: Hashable) -> tuple[Location, ...]:
         return tuple(sorted((n, self._tier_of(n, key)) for n in self._directory.get(key, ())))
+
+    def find(self, node: int, key: Hashable) -> str:
+        block = self._node(node).blocks.get(key)
+        return "miss" if block is None else ("hit" if block.ready else "pending")
+
+    def complete(self, node: int, key: Hashable, ok: bool) -> None:
+        here = self._node(node)
+        if not isinstance(ok, bool):
+            raise InvalidOperation(f"a store completes ok (True) or failed (False), not {ok!r}")
+        block = here.blocks.get(key)
+        if block is None or block.ready:
+            return
+        if ok:
+            block.ready = True
+        else:
+            self._drop(node, here, key)
+
+    def remove(self, node: int, key: Hashable) -> None:
+        block = self._held(node, key)
+        if self._in_use(block):
+            raise InvalidOperation(f"block {key!r} on node {node} is in use (pinned, leased or being stored)")
+        self._drop(node, self._node(node), key)
+
+    def advance(self, seconds: float) -> None:
+        if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not 0 <= seconds < math.inf:
+            raise InvalidOperation(f"time advances by a finite, non-negative number of seconds, not {seconds!r}")
+        self._now += seconds
+
+    def settle(self) -> tuple[tuple[int, Hashable], ...]:
+        """The background evictor's work, done: each tier at its watermark, last tier first, gives up victims
+        (down a tier that has room, or out of the last) until it is below the watermark."""
+        if self.conventions.eviction == "on_demand":
+            return ()
+        dropped: list[tuple[int, Hashable]] = []
+        for index, node in enumerate(self._nodes):
+            for tier in reversed(range(len(self.capacities))):
+                if node is not None:
+                    self._drain(index, node, tier, dropped)
+        return tuple(sorted(dropped, key=repr))
+
+    def _drain(self, index: int, node: Node, tier: int, dropped: list[tuple[int, Hashable]]) -> None:
+        mark = max(1, math.ceil(self.conventions.watermark * self.capacities[tier]))
+        last = tier == len(self.capacities) - 1
+        while len(node.tiers[tier]) >= mark and (last or len(node.tiers[tier + 1]) < self.capacities[tier + 1]):
+            victim = self._victim(node, tier)
+            if victim is None:
+                return
+            self._leave(node, tier, victim)
+            if last:
+                self._drop(index, node, victim)
+                dropped.append((index, victim))
+            else:
+                self._enter(node, tier + 1, victim)
+                self._move(node, victim, tier + 1)
+
+    # -- reading -------------------------------------------------------------------------------
 
     def _tier_of(self, node: int, key: Hashable) -> int:
         return self._node(node).blocks[key].tier
@@ -219,24 +403,51 @@ class KVStore:
             raise InvalidOperation(f"node {node} holds no block {key!r}")
         return block
 
-    @staticmethod
-    def _check_tier(tier: object) -> None:
-        if not isinstance(tier, int) or isinstance(tier, bool) or not 0 <= tier < len(TIERS):
-            raise InvalidOperation(f"tier {tier!r} is not a tier (0..{len(TIERS) - 1}: {', '.join(TIERS)})")
+    def _check_tier(self, tier: object) -> None:
+        names = self.conventions.tiers
+        if not isinstance(tier, int) or isinstance(tier, bool) or not 0 <= tier < len(names):
+            raise InvalidOperation(f"tier {tier!r} is not a tier (0..{len(names) - 1}: {', '.join(names)})")
+
+    def _arc_lists(self, node: Node, tier: int) -> ArcLists:
+        by_recency = sorted(node.tiers[tier], key=lambda key: node.blocks[key].last_use)
+        ghosts = node.ghosts[tier]
+        return ArcLists(
+            recent=tuple(key for key in by_recency if not node.blocks[key].frequent),
+            frequent=tuple(key for key in by_recency if node.blocks[key].frequent),
+            recent_ghosts=tuple(ghosts.recent),
+            frequent_ghosts=tuple(ghosts.frequent),
+            target=ghosts.target,
+        )
 
     def snapshot(self) -> StoreState:
         live = [(index, node) for index, node in enumerate(self._nodes) if node is not None]
+        blocks = [((index, key), block) for index, node in live for key, block in node.blocks.items()]
+        tiers = range(len(self.capacities))
         return StoreState(
             capacities=self.capacities,
             alive=tuple(node is not None for node in self._nodes),
             tiers=tuple(
-                tuple(tuple(self._order(node, tier)) for tier in range(len(TIERS))) if node else ((),) * len(TIERS)
+                tuple(tuple(self._order(node, tier)) for tier in tiers) if node else ((),) * len(tiers)
                 for node in self._nodes
             ),
-            contents={(index, key): block.tokens for index, node in live for key, block in node.blocks.items()},
-            pins={(index, key): b.pins for index, node in live for key, b in node.blocks.items() if b.pins},
+            contents={place: block.tokens for place, block in blocks},
+            pins={place: block.pins for place, block in blocks if block.pins},
             directory={
                 key: tuple(sorted((n, self._tier_of(n, key)) for n in holders))
                 for key, holders in self._directory.items()
             },
+            names=self.conventions.tiers,
+            pending=frozenset(place for place, block in blocks if not block.ready),
+            leases={place: block.lease_until for place, block in blocks if block.lease_until > self._now},
+            arc={
+                (index, tier): self._arc_lists(node, tier)
+                for index, node in live
+                for tier in tiers
+                if self.policies[tier] == "arc"
+            },
         )
+
+
+def with_conventions(conventions: StoreConventions) -> Callable[..., KVStore]:
+    """The reference store's factory under another profile of conventions."""
+    return functools.partial(KVStore, conventions=conventions)

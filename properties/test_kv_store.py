@@ -2,32 +2,42 @@
 
 The machine drives put / get / demote / evict / replicate / pin / unpin /
 lookup, valid and invalid, on tiny clusters (1-3 nodes, 1-3 blocks per tier)
-where every tier overflows.  A **node fault** is an operation like any other
+where every tier overflows, in the shape the store declares (its tiers, at
+most how many nodes).  A **node fault** is an operation like any other
 (S3 ShardStore style); after one the machine checks that only that node's
 copies went, and asks the store for every block the node held.  ``serve``
 plays a request for a document: it looks each block up, reads it locally,
 pulls a replica, or -- when the prefix was lost -- recomputes it from the
 document's tokens and puts it back, and must read exactly the document.
+What a store offers beyond that is driven too: pending stores completed or
+failed, model time advanced past read leases, copies removed (in use: out of
+contract), and -- where eviction runs in the background -- ``settle`` after
+every operation, before anything is compared.
 The search revisits: a put, get or replication refused (no unpinned room, a
-dead node) is retried after an unpin or a restart, and documents are served
-again, often after eviction or a fault took some of their blocks -- both also
-drawn inside the common rules, so that swarm testing never turns them off.
+dead node) is retried after an unpin, a restart or a settle, and documents
+are served again, often after eviction or a fault took some of their blocks
+-- both also drawn inside the common rules, so that swarm testing never turns
+them off.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.impl.kv_store import with_conventions
+from kvspec.properties.harness import LockstepMachine, conformance_settings, conformance_test, run_machine
 from kvspec.spec import invariants
 from kvspec.spec import kv_store as model
-from kvspec.spec.block_pool import POLICIES
-from kvspec.spec.kv_store import TIERS, Key, Tokens
+from kvspec.spec.components import Offer, every_operation
+from kvspec.spec.conventions import Conventions, StoreConventions
+from kvspec.spec.implementation import Implementation
+from kvspec.spec.kv_store import Key, Place, StoreState, Tokens
 
 KEYS = st.sampled_from([f"h{i}" for i in range(4)])
 CONTENTS = st.sampled_from([(1, 2), (3, 4), (5,), (6, 7)])
@@ -44,21 +54,26 @@ def document_blocks(document: Tokens) -> list[tuple[Key, Tokens]]:
 class KVStoreMachine(LockstepMachine):
     uses = frozenset({"kv_store"})
     judges = ("kv_store", "invariants")
-    node_counts = st.sampled_from([1, 2, 2, 3, 3])  # replicas and faults need company
+    node_counts = (1, 2, 2, 3, 3)  # replicas and faults need company
     capacities = st.integers(1, 3)
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
-        nodes = data.draw(self.node_counts, label="nodes")
-        capacities = tuple(data.draw(self.capacities, label=f"{tier} capacity") for tier in TIERS)
-        policies = tuple(data.draw(st.sampled_from(POLICIES), label=f"{tier} policy") for tier in TIERS)
+        declared = self.conventions.store
+        counts = [n for n in self.node_counts if declared.max_nodes is None or n <= declared.max_nodes]
+        nodes = data.draw(st.sampled_from(counts), label="nodes")
+        capacities = tuple(data.draw(self.capacities, label=f"{tier} capacity") for tier in declared.tiers)
+        policies = tuple(
+            data.draw(st.sampled_from(declared.policies), label=f"{tier} policy") for tier in declared.tiers
+        )
         self.record(f"store = kv_store(nodes={nodes}, capacities={capacities}, policies={policies})")
         store = self.implementation.component("kv_store")(nodes, capacities, policies)
-        self.store = self.subject("store", model, model.new_store(nodes, capacities, policies), store)
+        self.store = self.subject("store", model, model.new_store(nodes, capacities, policies, declared), store)
         self.written: dict[Key, Tokens] = {}
         self.lost_in_fault: set[Key] = set()
         self.refused: tuple[Callable[..., Any], tuple[Any, ...]] | None = None  # the put, get or replication
         self.served: set[Tokens] = set()
+        self.background = declared.eviction == "background" and self.offers("kv_store", "settle")
         # Most runs start with a hot block on two nodes: replicas are rare otherwise, and stale ones hide there.
         if (
             nodes > 1
@@ -66,27 +81,55 @@ class KVStoreMachine(LockstepMachine):
             and data.draw(st.integers(0, 7), label="start with a replicated block (unless 0)")
         ):
             key, tokens = data.draw(KEYS, label="key"), data.draw(CONTENTS, label="tokens")
-            if self._put(0, key, tokens):
+            if self._put(0, key, tokens) and self._complete_if_pending(0, key):
                 self._replicate(key, 0, 1)
 
     # -- one lockstep path for every operation ------------------------------------
 
-    def _op(self, operation: str, *args: Any, judge: Callable[[Any], None] = lambda answer: None) -> tuple[bool, Any]:
-        """Run an operation on both sides; check the transition rules, then ``judge`` the answer by
-        its own rule before comparing it with the spec's; (ok, the answer)."""
+    def _op(
+        self,
+        operation: str,
+        *args: Any,
+        judge: Callable[[StoreState, StoreState, Any], None] = lambda before, after, answer: None,
+        released: Sequence[Place] = (),
+    ) -> tuple[bool, Any]:
+        """Run an operation on both sides and check its transition rules; ``judge`` sees the store before and
+        after it and its answer, before that is compared with the spec's.  Where eviction runs in the
+        background, ``settle`` follows, checked as a transition of its own.  (ok, the answer)."""
         before = self.store.snapshot()
         expected_before = model.abstract(self.store.model)
+        targets = {at: ghosts.target for at, ghosts in self.store.model.ghosts.items()}
         answer = self.store(operation, *args, judged_by=None)
         if answer is None:
             return False, None
+        if any(ghosts.target != targets.get(at, 0.0) for at, ghosts in self.store.model.ghosts.items()):
+            event("an ARC tier adapted its target to a ghost hit")
         after = self.store.snapshot()
-        now = model.abstract(self.store.model).contents
-        chosen = [place for place in expected_before.contents if place not in now]
-        self.check(model.invariant_pinned_never_evicted, before, after)
-        self.check(model.invariant_demotion_keeps_the_block, before, after, chosen)
-        judge(answer.actual)
+        judge(before, after, answer.actual)
         self.check(invariants.invariant_result_matches_spec, answer.expected, answer.actual)
+        self.check(model.invariant_pinned_never_evicted, before, after, released)
+        dropped = ()
+        if self.background:
+            settled, dropped = after, self._settle()
+            after = self.store.snapshot()
+            self.check(model.invariant_pinned_never_evicted, settled, after)
+        now = model.abstract(self.store.model).contents
+        chosen = [place for place in expected_before.contents if place not in now] + list(dropped)
+        self.check(model.invariant_demotion_keeps_the_block, before, after, chosen, against_model=True)
         return True, answer.actual
+
+    def _settle(self) -> tuple[Place, ...]:
+        """The background evictor's work, done; the copies it dropped."""
+        answer = self.store("settle", judged_by=None)
+        if answer is None:
+            return ()
+        if self.conventions.store.victims == "engine":
+            self.store.model = model.evicted_by_engine(self.store.model, answer.actual)
+        else:
+            self.check(invariants.invariant_result_matches_spec, answer.expected, answer.actual)
+        if answer.actual:
+            event("the background evictor dropped copies")
+        return tuple(answer.actual)
 
     def node(self, data: st.DataObject) -> int:
         """Mostly a live node; sometimes a dead one or one that does not exist."""
@@ -94,8 +137,11 @@ class KVStoreMachine(LockstepMachine):
         others = [n for n in range(-1, len(self.store.model.alive) + 1) if n not in alive]
         return data.draw(st.sampled_from(alive * 4 + others), label="node")
 
-    def held(self) -> list[tuple[int, Key]]:
+    def held(self) -> list[Place]:
         return sorted(self.store.model.copies, key=repr)
+
+    def pending(self) -> list[Place]:
+        return [place for place in self.held() if not self.store.model.copies[place].ready]
 
     # -- rules ------------------------------------------------------------------------
 
@@ -114,13 +160,26 @@ class KVStoreMachine(LockstepMachine):
             self._serve(data.draw(st.integers(0, len(self.store.model.alive) - 1), label="node"), document)
 
     def _put(self, node: int, key: Key, tokens: Tokens) -> bool:
-        ok, _ = self._op("put", node, key, tokens)
+        def written(before: StoreState, after: StoreState, _: object) -> None:
+            # What a hit must read from now on, as the store's own state says: the tokens put, unless the
+            # contents under the key are immutable and the store already held it.
+            if self.conventions.store.reput == "refresh" or all(k != key for _, k in before.contents):
+                self.written[key] = tokens
+
+        replicated = len(model.lookup(self.store.model, key)) > 1
+        ok, _ = self._op("put", node, key, tokens, judge=written)
         self.refused = self.refused if ok else (self._put, (node, key, tokens))
-        if ok:
-            if key in self.written and self.written[key] != tokens and len(model.lookup(self.store.model, key)) > 1:
-                event("re-put with new contents of a replicated block")
-            self.written[key] = tokens
+        if ok and replicated and self.conventions.store.reput == "refresh":
+            event("re-put of a replicated block")
         return ok
+
+    def _complete_if_pending(self, node: int, key: Key) -> bool:
+        """A pending store completed (the transfer arrived); whether the copy is now readable."""
+        copy = self.store.model.copies.get((node, key))
+        if copy is not None and not copy.ready:
+            self._op("complete", node, key, True)
+        copy = self.store.model.copies.get((node, key))
+        return copy is not None and copy.ready
 
     @precondition(lambda self: self.store.model.copies)
     @rule(data=st.data(), tokens=CONTENTS)
@@ -130,19 +189,19 @@ class KVStoreMachine(LockstepMachine):
         node, key = data.draw(st.sampled_from(self.held()), label="copy")
         if not isinstance(key, str) or not self._put(node, key, tokens):  # a document's blocks keep their tokens
             return
-        if data.draw(st.booleans(), label="send it down a tier and read it back"):
+        if data.draw(st.booleans(), label="send it down a tier and read it back") and (node, key) in self.held():
             tier = self.store.model.copies[(node, key)].tier
-            while tier < len(TIERS) - 1 and self.demote(node, tier) not in (None, key):
+            while tier < len(self.store.model.capacities) - 1 and self.demote(node, tier) not in (None, key):
                 pass
             self._get(node, key)
 
-    def replicated(self) -> list[tuple[int, Key]]:
+    def replicated(self) -> list[Place]:
         return [(n, k) for n, k in self.held() if isinstance(k, str) and len(model.lookup(self.store.model, k)) > 1]
 
     @precondition(lambda self: self.replicated())
     @rule(data=st.data(), tokens=CONTENTS)
     def reput_replicated(self, data: st.DataObject, tokens: Tokens) -> None:
-        """Write a replicated block again: every replica must take the new contents."""
+        """Write a replicated block again: every replica must take the new contents (or, immutable, none)."""
         self._put(*data.draw(st.sampled_from(self.replicated()), label="copy"), tokens)
 
     @rule(data=st.data(), key=KEYS)
@@ -150,24 +209,32 @@ class KVStoreMachine(LockstepMachine):
         self.revisit(data)
         self._get(self.node(data), key)
 
+    @precondition(lambda self: self.store.model.copies)
+    @rule(data=st.data())
+    def get_held(self, data: st.DataObject) -> None:
+        """Read a copy some node holds: a hit, or -- still being stored -- a miss that must not read it."""
+        self._get(*data.draw(st.sampled_from(self.held()), label="copy"))
+
     def _get(self, node: int, key: Key) -> Tokens | None:
-        ok, read = self._op(
-            "get",
-            node,
-            key,
-            judge=lambda read: self.check(model.invariant_get_returns_put, key, self.written.get(key), read),
-        )
+        def read_rules(before: StoreState, after: StoreState, read: Tokens | None) -> None:
+            self.check(model.invariant_get_returns_put, key, self.written.get(key), read)
+            self.check(model.invariant_pending_never_read, key, (node, key) in before.pending, read)
+
+        ok, read = self._op("get", node, key, judge=read_rules)
         self.refused = self.refused if ok else (self._get, (node, key))
+        if ok and read is not None and self.conventions.store.read_lease:
+            event("a hit leased its copy")
         return read if ok else None
 
     def retry_refused(self) -> None:
-        """The put, get or replication refused last, as it was, now that an unpin or restart changed things."""
+        """The put, get or replication refused last, as it was, now that an unpin, restart or settle changed
+        things."""
         if self.refused is not None:
             (operation, args), self.refused = self.refused, None
             event("revisit: retried a rejected call")
             operation(*args)
 
-    @rule(data=st.data(), tier=st.integers(-1, len(TIERS)))
+    @rule(data=st.data(), tier=st.integers(-1, 3))
     def demote_any(self, data: st.DataObject, tier: int) -> None:
         self.revisit(data)
         self.demote(self.node(data), tier)
@@ -175,15 +242,18 @@ class KVStoreMachine(LockstepMachine):
     def demote(self, node: int, tier: int) -> Key | None:
         ok, victim = self._op("demote", node, tier)
         if ok and victim is not None:
-            event(f"demoted out of the {TIERS[tier]} tier")
+            event(f"demoted out of the {self.conventions.store.tiers[tier]} tier")
         return victim if ok else None
 
-    @precondition(lambda self: any(copy.tier < len(TIERS) - 1 for copy in self.store.model.copies.values()))
+    @precondition(
+        lambda self: any(c.tier < len(self.store.model.capacities) - 1 for c in self.store.model.copies.values())
+    )
     @rule(data=st.data())
     def demote_held(self, data: st.DataObject) -> None:
         """Demote out of a tier that holds a block; then, as often as not, read the victim back: it comes up
         again with the contents last put, wherever the store kept them."""
-        places = sorted({(n, c.tier) for (n, _), c in self.store.model.copies.items() if c.tier < len(TIERS) - 1})
+        last = len(self.store.model.capacities) - 1
+        places = sorted({(n, c.tier) for (n, _), c in self.store.model.copies.items() if c.tier < last})
         node, tier = data.draw(st.sampled_from(places), label="tier")
         victim = self.demote(node, tier)
         if victim is not None and data.draw(st.booleans(), label="read the demoted block back"):
@@ -193,13 +263,10 @@ class KVStoreMachine(LockstepMachine):
     @rule(data=st.data())
     def evict_held(self, data: st.DataObject) -> None:
         """Evict from a tier that holds a block, pinned or not."""
-        self.evict(
-            *data.draw(
-                st.sampled_from(sorted({(n, c.tier) for (n, _), c in self.store.model.copies.items()})), label="tier"
-            )
-        )
+        tiers = sorted({(n, c.tier) for (n, _), c in self.store.model.copies.items()})
+        self.evict(*data.draw(st.sampled_from(tiers), label="tier"))
 
-    @rule(data=st.data(), tier=st.integers(-1, len(TIERS)))
+    @rule(data=st.data(), tier=st.integers(-1, 3))
     def evict_any(self, data: st.DataObject, tier: int) -> None:
         self.revisit(data)
         self.evict(self.node(data), tier)
@@ -220,9 +287,10 @@ class KVStoreMachine(LockstepMachine):
         self._replicate(key, source, target)
 
     def replicable(self) -> list[tuple[Key, int, int]]:
-        """(key, source, target) for every held block and every live node without it."""
+        """(key, source, target) for every readable block and every live node without it."""
         live = [n for n, up in enumerate(self.store.model.alive) if up]
-        return [(k, n, t) for n, k in self.held() for t in live if (t, k) not in self.store.model.copies]
+        copies = self.store.model.copies
+        return [(k, n, t) for n, k in self.held() if copies[(n, k)].ready for t in live if (t, k) not in copies]
 
     @precondition(lambda self: self.offers("kv_store", "replicate") and self.replicable())
     @rule(data=st.data(), tokens=CONTENTS, rewrite=st.booleans())
@@ -250,19 +318,74 @@ class KVStoreMachine(LockstepMachine):
     def unpin(self, data: st.DataObject, key: str) -> None:
         pinned = [place for place in self.held() if self.store.model.copies[place].pins]
         node, copy_key = data.draw(st.sampled_from(pinned), label="copy") if pinned else (self.node(data), key)
-        self._unpin(node, copy_key)
-
-    def _unpin(self, node: int, key: Key) -> None:
-        if self._op("unpin", node, key)[0]:
+        if self._op("unpin", node, copy_key)[0]:
             self.retry_refused()
 
-    @precondition(lambda self: self.offers("kv_store", "node_faults"))
+    @precondition(lambda self: self.offers("kv_store", "pending_stores") and self.store.model.copies)
+    @rule(data=st.data(), ok=st.booleans())
+    def complete(self, data: st.DataObject, ok: bool) -> None:
+        """A pending store's transfer arrives (ok) or fails; sometimes a late completion of one that is not
+        pending (it changes nothing)."""
+        node, key = data.draw(st.sampled_from(self.pending() or self.held()), label="copy")
+
+        def failed_leaves_miss(before: StoreState, after: StoreState, _: object) -> None:
+            if (node, key) in before.pending and not ok:
+                self.check(model.invariant_failed_store_leaves_miss, after, node, key)
+                event("a pending store failed")
+
+        if self._op("complete", node, key, ok, judge=failed_leaves_miss, released=[] if ok else [(node, key)])[0]:
+            self.retry_refused()
+
+    @precondition(lambda self: self.offers("kv_store", "pending_stores"))
+    @rule(data=st.data(), key=KEYS)
+    def find(self, data: st.DataObject, key: Key) -> None:
+        """Whether a node can serve a key: hit, pending or miss."""
+        held = [k for n, k in self.held()]
+        ok, answer = self._op("find", self.node(data), data.draw(st.sampled_from([*held, key]), label="key"))
+        if ok:
+            event(f"find answered {answer}")
+
+    @precondition(lambda self: self.offers("kv_store", "leases"))
+    @rule(fraction=st.sampled_from([0.0, 0.5, 1.0, 2.0, -1.0]))
+    def advance(self, fraction: float) -> None:
+        """Model time moves on, by a share of a read lease (past one, into one, or -- invalid -- back)."""
+        lease = self.conventions.store.read_lease or 1.0
+        leased = len(model.abstract(self.store.model).leases)
+        if self._op("advance", fraction * lease)[0] and leased > len(model.abstract(self.store.model).leases):
+            event("a read lease ran out")
+            self.retry_refused()
+
+    @precondition(lambda self: self.offers("kv_store", "remove") and self.store.model.copies)
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        """Drop a copy on request; one in use (pinned, leased, pending) is out of contract: the caller must
+        wait for the transfer that holds it."""
+        in_use = [place for place in self.held() if model.in_use(self.store.model, self.store.model.copies[place])]
+        choices = in_use if in_use and data.draw(st.booleans(), label="one in use") else self.held()
+        node, key = data.draw(st.sampled_from(choices), label="copy")
+        if self._op("remove", node, key)[0]:
+            self.retry_refused()
+
+    @precondition(lambda self: self.offers("kv_store", "settle"))
+    @rule()
+    def settle(self) -> None:
+        """Background work done now, whatever the store's eviction: nothing changes unless it runs some."""
+        if self.background:
+            self._settle()
+        else:
+            self._op("settle")
+
+    def survivable(self) -> bool:
+        """Whether a node fault would leave a live node: a store of one node only ever stops."""
+        return self.offers("kv_store", "node_faults") and sum(self.store.model.alive) > 1
+
+    @precondition(survivable)
     @rule(data=st.data())
     def fail(self, data: st.DataObject) -> None:
         """A node fault: the node's tiers vanish; nothing else may change."""
         self._fail(data.draw(st.integers(0, len(self.store.model.alive) - 1), label="node"))
 
-    @precondition(lambda self: self.offers("kv_store", "node_faults") and self.store.model.copies)
+    @precondition(lambda self: self.survivable() and self.store.model.copies)
     @rule()
     def fail_busiest(self) -> None:
         """A fault where it hurts: the node holding the most blocks."""
@@ -270,12 +393,13 @@ class KVStoreMachine(LockstepMachine):
         self._fail(held.index(max(held)))
 
     def _fail(self, node: int) -> None:
-        before = self.store.snapshot()
-        ok, _ = self._op("fail", node)
-        if not ok:
+        def only_the_node(before: StoreState, after: StoreState, _: object) -> None:
+            self.check(model.invariant_fault_loses_only_the_node, before, after, node)
+            lost.update(key for (n, key) in before.contents if n == node)
+
+        lost: set[Key] = set()
+        if not self._op("fail", node, judge=only_the_node)[0]:
             return
-        self.check(model.invariant_fault_loses_only_the_node, before, self.store.snapshot(), node)
-        lost = {key for (n, key) in before.contents if n == node}
         for key in sorted(lost, key=repr):
             self._lookup(key)
         only_there = {key for key in lost if not model.lookup(self.store.model, key)}
@@ -303,9 +427,7 @@ class KVStoreMachine(LockstepMachine):
         self._op(
             "lookup",
             key,
-            judge=lambda answer: self.check(
-                model.invariant_lookup_names_live_holders, self.store.snapshot(), key, answer
-            ),
+            judge=lambda _, after, answer: self.check(model.invariant_lookup_names_live_holders, after, key, answer),
         )
 
     @rule(data=st.data(), document=st.sampled_from(DOCUMENTS), turns=st.integers(1, 2))
@@ -327,21 +449,29 @@ class KVStoreMachine(LockstepMachine):
         self.served.add(document)
         served: list[Tokens] = []
         for key, tokens in blocks:
-            holders = [n for n, _ in model.lookup(self.store.model, key) if n != node]
-            if (node, key) in self.store.model.copies:
-                read = self._get(node, key)
-            elif holders and self._replicate(key, holders[0], node):
-                read = self._get(node, key)
-            elif self._put(node, key, tokens):  # recompute the block from the request's own tokens
-                read = tokens
-                if key in self.lost_in_fault:
-                    event("a prefix lost in a node fault was recomputed")
-                    self.lost_in_fault.discard(key)
-            else:
+            read = self._serve_block(node, key, tokens)
+            if read is None:
                 event("request stopped: no room for its blocks")
                 break
-            served.append(read)  # type: ignore[arg-type]
+            served.append(read)
         self.check(model.invariant_request_reads_its_tokens, [t for _, t in blocks[: len(served)]], served)
+
+    def _serve_block(self, node: int, key: Key, tokens: Tokens) -> Tokens | None:
+        """A local hit, a pulled replica, or the block recomputed from the request's own tokens and put."""
+        holders = [n for n, _ in model.lookup(self.store.model, key) if n != node]
+        ready = [n for n in holders if self.store.model.copies[(n, key)].ready]
+        mine = self.store.model.copies.get((node, key))
+        if mine is not None and mine.ready:
+            return self._get(node, key)
+        if ready and self.offers("kv_store", "replicate") and self._replicate(key, ready[0], node):
+            return self._get(node, key)
+        if mine is None and not self._put(node, key, tokens):
+            return None
+        self._complete_if_pending(node, key)
+        if key in self.lost_in_fault:
+            event("a prefix lost in a node fault was recomputed")
+            self.lost_in_fault.discard(key)
+        return tokens
 
     @invariant()
     def store_matches_spec(self) -> None:
@@ -355,3 +485,32 @@ class KVStoreMachine(LockstepMachine):
 
 
 TestKVStore = conformance_test(KVStoreMachine)
+
+
+# -- the reference under every profile of conventions an engine declares ----------------------------------
+
+PROFILES = {
+    "one node, one tier, pending stores, ARC (vLLM's CPU offloading)": StoreConventions(
+        tiers=("cpu",), max_nodes=1, policies=("lru", "arc"), reput="touch", stores="pending"
+    ),
+    "DRAM over SSD, immutable, read in place (LMCache)": StoreConventions(
+        tiers=("cpu", "ssd"), max_nodes=1, policies=("lru", "lfu"), reput="skip", promotion=False
+    ),
+    "leases, background eviction by the engine (Mooncake)": StoreConventions(
+        tiers=("cpu",), policies=("lru",), reput="skip", read_lease=600.0, eviction="background", victims="engine"
+    ),
+    "leases that run out, background eviction past a watermark": StoreConventions(
+        read_lease=2.0, eviction="background", watermark=0.6
+    ),
+}
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_the_reference_refines_the_model_under_every_profile(profile: str) -> None:
+    conventions = Conventions(store=PROFILES[profile])
+    store = Offer(with_conventions(PROFILES[profile]), every_operation("kv_store"))
+    implementation = Implementation(name=f"reference ({profile})", kv_store=store, conventions=conventions)
+    outcome = run_machine(KVStoreMachine, implementation, conformance_settings(examples=0.5))
+    assert not outcome.findings, "\n".join(
+        f"{f.invariant}: {f.detail}\n  " + "\n  ".join(f.steps) for f in outcome.findings
+    )

@@ -35,6 +35,10 @@ The fields, one per choice observed in vLLM v1 and SGLang:
   (reference: 1, though its cache is built for any page size).
 * ``RadixConventions.extra_key_namespaces`` -- whether an extra key (adapter,
   tenant) separates otherwise equal keys (reference and SGLang: yes).
+* ``StoreConventions`` -- the tiered store's shape (its tiers, at most how
+  many nodes), its policies, what a re-put of a held key does, whether stores
+  are pending until completed, read leases, background eviction and who picks
+  its victims, whether a hit is promoted: see ``spec.kv_store``.
 
 What each choice means exactly is stated, and modelled, in the layer's spec
 module: ``spec.block_pool`` for the pool's, ``spec.radix_cache`` for the
@@ -50,6 +54,7 @@ import attrs
 
 Policy = Literal["lru", "lfu"]
 POLICIES: tuple[Policy, ...] = ("lru", "lfu")
+StorePolicy = Literal["lru", "lfu", "arc"]
 
 
 @attrs.frozen
@@ -73,11 +78,28 @@ class RadixConventions:
 
 
 @attrs.frozen
+class StoreConventions:
+    """The tiered KV store's choices (``spec.kv_store``, which states what each means)."""
+
+    tiers: tuple[str, ...] = ("gpu", "cpu", "ssd")  # a node's tiers, fastest first
+    max_nodes: int | None = None  # 1: a store of one node
+    policies: tuple[StorePolicy, ...] = ("lru", "lfu", "arc")
+    reput: Literal["refresh", "touch", "skip"] = "refresh"  # a put of a key the store holds
+    stores: Literal["immediate", "pending"] = "immediate"  # pending: readable once completed
+    read_lease: float = 0.0  # seconds of model time a hit leases (pins) the copy for
+    eviction: Literal["on_demand", "background"] = "on_demand"
+    watermark: float = 1.0  # background: a tier holding this share of its capacity is evicted at settle
+    victims: Literal["policy", "engine"] = "policy"  # who picks the background evictor's victims
+    promotion: bool = True  # a hit moves the copy to the first tier
+
+
+@attrs.frozen
 class Conventions:
     """Everything an implementation declares about itself; the defaults are the reference's."""
 
     pool: PoolConventions = PoolConventions()
     radix: RadixConventions = RadixConventions()
+    store: StoreConventions = StoreConventions()
     trusts_caller: bool = False
 
 

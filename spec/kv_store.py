@@ -5,33 +5,34 @@ Rules (lecture §9.2-9.3; Mooncake §3-4, the store its Conductor places blocks 
 * A cluster has ``nodes`` nodes, each with the same **tiers**, fastest first:
   ``gpu`` (HBM), ``cpu`` (DRAM), ``ssd``.  Tier ``t`` of every node holds at
   most ``capacities[t]`` blocks and orders them by its own **policy**
-  (``policies[t]``: ``lru`` evicts the least recently used first; ``lfu`` the
-  fewest used, ties in LRU order).  A *use* is a ``put`` or a ``get``; moving
-  between tiers is not a use, so a demoted block keeps its place in recency.
+  (``policies[t]``: ``lru``, ``lfu`` or ``arc``, ``spec.kv_store_policies``).
+  A *use* is a put or a ``get``; moving between tiers is not a use, so a
+  demoted block keeps its place in recency.
 * A block is a key (the caller's chained hash: opaque, compared for equality)
   and its **contents**, the token ids the caller computed it from.  A node
   holds at most one copy of a key, in one tier; copies on different nodes are
   **replicas**.
 * ``put(node, key, tokens)`` writes a freshly computed block into the node's
-  GPU tier (promoting the node's copy if it has one) and gives every replica
+  first tier (promoting the node's copy if it has one) and gives every replica
   the new contents, so that no node keeps stale KV under a key.  A replica
-  that is pinned keeps its contents: re-putting it with other tokens is an
+  in use (below) keeps its contents: re-putting it with other tokens is an
   ``InvalidOperation``.
-* **Making room** in tier ``t`` takes its *victim*, the first unpinned block
+* **Making room** in tier ``t`` takes its *victim*, the first evictable copy
   in policy order, and moves it to tier ``t + 1`` (making room there the same
   way); the last tier drops its victim -- the only way a copy is lost besides
-  ``evict`` and a node fault.  With no victim anywhere down the cascade the
-  operation raises ``OutOfBlocks`` and changes nothing.
+  ``evict``, ``remove`` and a node fault.  With no victim anywhere down the
+  cascade the operation raises ``OutOfBlocks`` and changes nothing.
 * ``get(node, key)`` answers the node's contents of ``key`` (``None``: a miss,
-  nothing changes), counts a use and promotes the copy to the GPU tier; a
-  pinned copy, or one for which no room can be made, is read where it is.
+  nothing changes), counts a use and promotes the copy to the first tier; a
+  copy in use, or one for which no room can be made, is read where it is.
 * ``demote(node, tier)`` moves the tier's victim one tier down (from the last
   tier: ``InvalidOperation``; use ``evict``); ``evict(node, tier)`` drops the
   tier's victim.  Both answer the victim's key, ``None`` when there is none.
 * ``replicate(key, source, target)`` copies the source's block into the
-  target's GPU tier (a transfer, not a use: the copy starts with one use).
-* ``pin(node, key)`` / ``unpin(node, key)`` bracket a transfer out of the copy:
-  a pinned copy is never evicted, demoted or promoted.
+  target's first tier (a transfer, not a use: the copy starts with one use).
+* ``pin(node, key)`` / ``unpin(node, key)`` bracket a transfer out of the copy.
+  A copy that is pinned, leased or pending is **in use**: never evicted,
+  demoted, promoted or removed.
 * ``fail(node)`` is a **node fault**: the node's tiers vanish with their pins;
   lookups stop naming it at once; every operation naming a dead node is an
   ``InvalidOperation`` until ``restart(node)`` brings it back empty.
@@ -41,13 +42,46 @@ Rules (lecture §9.2-9.3; Mooncake §3-4, the store its Conductor places blocks 
   replica onto a node that holds the key) raises ``InvalidOperation``; every
   failed operation changes nothing.
 
-Theory of operation: ``Store`` is the model, transitions are pure functions
-returning a new ``Store`` (and the transition's answer).  Each copy carries a
-use count and the clock of its last use, so policy order is a sort.  An
+Conventions (``spec.conventions.StoreConventions``; the reference's in brackets):
+
+* **Shape** -- ``tiers``, a node's tiers (a subsequence of gpu, cpu, ssd
+  [all three]; capacities and policies give one entry per tier), and
+  ``max_nodes`` [any]: vLLM's CPU offloading is a store of one node and one
+  tier, a profile of this model, not a second store.
+* ``reput`` -- a put of a key the store holds: ``refresh`` [the rule above],
+  or -- contents are immutable, the key is a hash of them -- ``touch`` (a use
+  of the node's ready copy, nothing written) or ``skip`` (nothing at all).
+* ``stores`` -- ``immediate`` [readable at once] or ``pending``: a put leaves
+  the copy *pending* (it occupies its slot, is in use, and is not readable:
+  ``get`` misses it, ``find`` answers "pending") until ``complete(node, key,
+  ok)``; a failed store (``ok=False``) leaves a miss.  A completion of a copy
+  that is not pending changes nothing: transfer workers report late.
+* ``read_lease`` -- seconds [0: none] a hit leases the copy for: a leased copy
+  is in use until model time passes the lease's end.  Model time moves only
+  by ``advance(seconds)``, never with the wall clock.
+* ``eviction`` -- ``on_demand`` [a put evicts when it needs room] or
+  ``background``: a put into a full tier is refused (``OutOfBlocks``), and
+  ``settle()`` -- the background evictor's work, done -- makes room in every
+  tier holding at least ``watermark`` of its capacity, victims as above,
+  until it holds less; it answers the copies it dropped.  The machine calls
+  ``settle`` after every operation, before comparing, so that a background
+  evictor is checked exactly, not "eventually".  With ``victims="engine"`` the
+  engine picks its own victims: the model takes the ones ``settle`` answers,
+  and the safety rules judge them.
+* ``promotion`` [on] -- a hit moves the copy to the first tier; off, it is
+  read where it is.
+* ``remove(node, key)`` drops the node's copy; a forced remove of a copy in
+  use is out of contract (``InvalidOperation``): the caller holds the pin.
+
+Theory of operation, in four modules: this one (the protocol and the rules
+over snapshots); ``spec.kv_store_state`` (``StoreState``, what a snapshot
+shows, and the model's value); ``spec.kv_store_model`` (every operation as a
+pure transition); ``spec.kv_store_policies`` (LRU, LFU and ARC orders).  An
 implementation's ``snapshot()`` returns a ``StoreState``: per node and tier
-the keys in eviction order, each copy's contents and pins, and the directory
-its lookups answer from.  A caller whose prefix lived only on a failed node
-recomputes it from its tokens and puts it again.
+the keys in eviction order, each copy's contents, pins, pending stores and
+leases, each ARC tier's lists, and the directory its lookups answer from.  A
+caller whose prefix lived only on a failed node recomputes it from its tokens
+and puts it again.
 
 Invariants:
 
@@ -56,14 +90,19 @@ Invariants:
   or a lookup sends a transfer to a block that is not there (or misses one that is).
 * ``invariant_tier_capacity`` -- no tier of any node holds more than its
   capacity, since a tier is a physical memory, not a share of a node's.
-* ``invariant_pinned_never_evicted`` -- a pinned copy stays in its tier with
-  its contents, or an in-flight transfer reads freed memory.
+* ``invariant_pinned_never_evicted`` -- a copy in use (pinned, leased, pending)
+  stays in its tier with its contents, or an in-flight transfer reads (or
+  writes) freed memory.
 * ``invariant_demotion_keeps_the_block`` -- an operation loses a copy only by
   choosing it for eviction (or by a fault), so demotion never loses data.
 * ``invariant_replicas_agree`` -- every replica of a key holds the same
   contents, or two nodes serve different KV for one prefix.
-* ``invariant_get_returns_put`` -- a hit reads the tokens last put under the
-  key, the only thing that makes reuse correct.
+* ``invariant_get_returns_put`` -- a hit reads the tokens the store accepted
+  under the key, the only thing that makes reuse correct.
+* ``invariant_pending_never_read`` -- a hit never reads a block still being
+  stored: its memory holds part of the transfer.
+* ``invariant_failed_store_leaves_miss`` -- a store whose transfer failed
+  leaves no copy behind, or a later hit reads what never arrived.
 * ``invariant_lookup_names_live_holders`` -- a lookup answers exactly the live
   copies, never a dead node, or a request waits on a transfer that never comes.
 * ``invariant_fault_loses_only_the_node`` -- a node fault takes that node's
@@ -75,38 +114,91 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-import attrs
-
-from kvspec.spec.block_pool import POLICIES, Policy
 from kvspec.spec.components import component_kind
-from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.invariants import diff_states, invariant
+from kvspec.spec.kv_store_model import (  # the transitions the machines dispatch to, by name
+    advance,
+    complete,
+    demote,
+    evict,
+    evicted_by_engine,
+    fail,
+    find,
+    get,
+    lookup,
+    pin,
+    put,
+    remove,
+    replicate,
+    restart,
+    settle,
+    unpin,
+)
+from kvspec.spec.kv_store_state import (  # the layer's records, read from here
+    REFERENCE_STORE,
+    TIERS,
+    Copy,
+    Key,
+    Location,
+    Place,
+    Store,
+    StoreState,
+    Tokens,
+    abstract,
+    eviction_order,
+    in_use,
+    new_store,
+)
 
-TIERS: tuple[str, ...] = ("gpu", "cpu", "ssd")
-Key = Hashable
-Tokens = tuple[int, ...]
-Location = tuple[int, int]  # (node, tier)
-
-
-@attrs.frozen
-class StoreState:
-    """The abstract state of a store: what ``snapshot()`` returns."""
-
-    capacities: tuple[int, ...]
-    alive: tuple[bool, ...]
-    tiers: tuple[tuple[tuple[Key, ...], ...], ...]  # [node][tier]: keys in eviction order, head first
-    contents: Mapping[tuple[int, Key], Tokens]  # (node, key) -> tokens
-    pins: Mapping[tuple[int, Key], int]  # (node, key) -> pins, only positive counts
-    directory: Mapping[Key, tuple[Location, ...]]  # what lookups answer, locations sorted
-
-    def location(self, node: int, key: Key) -> Location | None:
-        for tier, keys in enumerate(self.tiers[node]):
-            if key in keys:
-                return node, tier
-        return None
+__all__ = [  # the layer read from one place: its records and transitions, its protocol and rules
+    "Copy",
+    "KVStore",
+    "KV_STORE",
+    "Key",
+    "Location",
+    "Place",
+    "REFERENCE_STORE",
+    "Store",
+    "StoreState",
+    "TIERS",
+    "Tokens",
+    "abstract",
+    "advance",
+    "complete",
+    "copies_in_use",
+    "demote",
+    "evict",
+    "evicted_by_engine",
+    "eviction_order",
+    "fail",
+    "find",
+    "get",
+    "in_use",
+    "invariant_demotion_keeps_the_block",
+    "invariant_directory_exact",
+    "invariant_failed_store_leaves_miss",
+    "invariant_fault_loses_only_the_node",
+    "invariant_get_returns_put",
+    "invariant_lookup_names_live_holders",
+    "invariant_pending_never_read",
+    "invariant_pinned_never_evicted",
+    "invariant_replicas_agree",
+    "invariant_request_reads_its_tokens",
+    "invariant_store_refines_spec",
+    "invariant_tier_capacity",
+    "lookup",
+    "new_store",
+    "pin",
+    "put",
+    "remove",
+    "replicate",
+    "restart",
+    "settle",
+    "unpin",
+]
 
 
 @runtime_checkable
@@ -126,241 +218,19 @@ class KVStore(Protocol):
     def snapshot(self) -> StoreState: ...
 
 
-# -- the model -------------------------------------------------------------------
-
-
 KV_STORE = component_kind(
     "kv_store",
     builds="kv_store(nodes, capacities, policies)",
     methods=("put", "get", "demote", "evict", "pin", "unpin", "lookup", "snapshot"),
-    optional={"replicate": ("replicate",), "node_faults": ("fail", "restart")},
+    optional={
+        "replicate": ("replicate",),
+        "node_faults": ("fail", "restart"),
+        "pending_stores": ("complete", "find"),  # stores.pending: complete(node, key, ok), find(node, key)
+        "leases": ("advance",),  # advance(seconds): model time, for read leases
+        "settle": ("settle",),  # settle() -> copies dropped: background work done, before comparing
+        "remove": ("remove",),  # remove(node, key): drop a copy on request
+    },
 )
-
-
-@attrs.frozen
-class Copy:
-    """One node's copy of a block."""
-
-    tier: int
-    tokens: Tokens
-    uses: int
-    last_use: int
-    pins: int = 0
-
-
-@attrs.frozen
-class Store:
-    capacities: tuple[int, ...]
-    policies: tuple[Policy, ...]
-    alive: tuple[bool, ...]
-    copies: Mapping[tuple[int, Key], Copy]
-    clock: int = 0
-
-
-def new_store(nodes: int, capacities: Sequence[int], policies: Sequence[Policy]) -> Store:
-    """An empty store of ``nodes`` live nodes; one capacity and one policy per tier."""
-    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
-        raise InvalidOperation(f"a store needs a positive number of nodes, got {nodes!r}")
-    if len(capacities) != len(TIERS) or any(not isinstance(c, int) or c < 1 for c in capacities):
-        raise InvalidOperation(f"need a positive capacity for each tier {TIERS}, got {tuple(capacities)!r}")
-    if len(policies) != len(TIERS) or any(p not in POLICIES for p in policies):
-        raise InvalidOperation(f"need a policy from {POLICIES} for each tier {TIERS}, got {tuple(policies)!r}")
-    return Store(capacities=tuple(capacities), policies=tuple(policies), alive=(True,) * nodes, copies={})
-
-
-def eviction_order(store: Store, node: int, tier: int) -> tuple[Key, ...]:
-    """The keys of one tier of one node, the first victim at the head."""
-    here = [(key, copy) for (n, key), copy in store.copies.items() if n == node and copy.tier == tier]
-    if store.policies[tier] == "lru":
-        here.sort(key=lambda item: item[1].last_use)
-    else:
-        here.sort(key=lambda item: (item[1].uses, item[1].last_use))
-    return tuple(key for key, _ in here)
-
-
-def abstract(store: Store) -> StoreState:
-    """The abstraction of the model, comparable with an implementation's snapshot."""
-    directory: dict[Key, list[Location]] = {}
-    for (node, key), copy in store.copies.items():
-        directory.setdefault(key, []).append((node, copy.tier))
-    return StoreState(
-        capacities=store.capacities,
-        alive=store.alive,
-        tiers=tuple(
-            tuple(eviction_order(store, node, tier) for tier in range(len(TIERS))) for node in range(len(store.alive))
-        ),
-        contents={place: copy.tokens for place, copy in store.copies.items()},
-        pins={place: copy.pins for place, copy in store.copies.items() if copy.pins},
-        directory={key: tuple(sorted(places)) for key, places in directory.items()},
-    )
-
-
-def _live_node(store: Store, node: object) -> int:
-    if not isinstance(node, int) or isinstance(node, bool) or not 0 <= node < len(store.alive):
-        raise InvalidOperation(f"node {node!r} is not a node of this store (0..{len(store.alive) - 1})")
-    if not store.alive[node]:
-        raise InvalidOperation(f"node {node} has failed; restart it first")
-    return node
-
-
-def _tier(tier: object) -> int:
-    if not isinstance(tier, int) or isinstance(tier, bool) or not 0 <= tier < len(TIERS):
-        raise InvalidOperation(f"tier {tier!r} is not a tier (0..{len(TIERS) - 1}: {', '.join(TIERS)})")
-    return tier
-
-
-def _held(store: Store, node: int, key: Key) -> Copy:
-    copy = store.copies.get((node, key))
-    if copy is None:
-        raise InvalidOperation(f"node {node} holds no block {key!r}")
-    return copy
-
-
-def _victim(store: Store, node: int, tier: int) -> Key | None:
-    unpinned = (key for key in eviction_order(store, node, tier) if store.copies[(node, key)].pins == 0)
-    return next(unpinned, None)
-
-
-def _make_room(store: Store, node: int, tier: int) -> Store:
-    """Free one slot of ``tier`` by cascading its victim down; ``OutOfBlocks`` if nothing can move."""
-    if len(eviction_order(store, node, tier)) < store.capacities[tier]:
-        return store
-    victim = _victim(store, node, tier)
-    if victim is None:
-        raise OutOfBlocks(1, 0, what=f"unpinned slots in node {node}'s {TIERS[tier]} tier")
-    copies = dict(store.copies)
-    if tier == len(TIERS) - 1:
-        del copies[(node, victim)]
-        return attrs.evolve(store, copies=copies)
-    store = _make_room(store, node, tier + 1)
-    copies = dict(store.copies)
-    copies[(node, victim)] = attrs.evolve(copies[(node, victim)], tier=tier + 1)
-    return attrs.evolve(store, copies=copies)
-
-
-def _place(store: Store, node: int, key: Key, copy: Copy) -> Store:
-    """Put ``copy`` (not yet in the store) into the GPU tier of ``node``, making room."""
-    store = _make_room(store, node, 0)
-    return attrs.evolve(store, copies={**store.copies, (node, key): attrs.evolve(copy, tier=0)})
-
-
-def _without(store: Store, node: int, key: Key) -> Store:
-    copies = dict(store.copies)
-    del copies[(node, key)]
-    return attrs.evolve(store, copies=copies)
-
-
-def put(store: Store, node: int, key: Key, tokens: Sequence[int]) -> Store:
-    """Write a computed block into ``node``'s GPU tier and update every replica's contents."""
-    _live_node(store, node)
-    if key is None:
-        raise InvalidOperation("None is not a block key")
-    tokens = tuple(tokens)
-    if not tokens or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in tokens):
-        raise InvalidOperation(f"a block's contents are one or more token ids, got {tokens!r}")
-    replicas = {n: c for (n, k), c in store.copies.items() if k == key}
-    stale_pinned = sorted(n for n, c in replicas.items() if c.pins and c.tokens != tokens)
-    if stale_pinned:
-        raise InvalidOperation(f"block {key!r} is in flight on node(s) {stale_pinned}: re-put it after the transfer")
-    clock = store.clock + 1
-    copies = {
-        place: attrs.evolve(copy, tokens=tokens) if place[1] == key else copy for place, copy in store.copies.items()
-    }
-    store = attrs.evolve(store, copies=copies, clock=clock)
-    mine = store.copies.get((node, key))
-    if mine is None:
-        return _place(store, node, key, Copy(tier=0, tokens=tokens, uses=1, last_use=clock))
-    used = attrs.evolve(mine, uses=mine.uses + 1, last_use=clock)
-    if mine.pins or mine.tier == 0:
-        return attrs.evolve(store, copies={**store.copies, (node, key): used})
-    return _place(_without(store, node, key), node, key, used)
-
-
-def get(store: Store, node: int, key: Key) -> tuple[Store, Tokens | None]:
-    """The node's contents of ``key`` (None: a miss); a hit is a use and promotes the copy."""
-    _live_node(store, node)
-    mine = store.copies.get((node, key))
-    if mine is None:
-        return store, None
-    clock = store.clock + 1
-    used = attrs.evolve(mine, uses=mine.uses + 1, last_use=clock)
-    in_place = attrs.evolve(store, copies={**store.copies, (node, key): used}, clock=clock)
-    if mine.pins or mine.tier == 0:
-        return in_place, mine.tokens
-    try:
-        return _place(_without(in_place, node, key), node, key, used), mine.tokens
-    except OutOfBlocks:  # every GPU block pinned: read it where it is
-        return in_place, mine.tokens
-
-
-def demote(store: Store, node: int, tier: int) -> tuple[Store, Key | None]:
-    """Move the tier's victim one tier down, making room below; answers its key."""
-    _live_node(store, node)
-    _tier(tier)
-    if tier == len(TIERS) - 1:
-        raise InvalidOperation(f"{TIERS[tier]} is the last tier: evict from it instead")
-    victim = _victim(store, node, tier)
-    if victim is None:
-        return store, None
-    store = _make_room(store, node, tier + 1)
-    moved = attrs.evolve(store.copies[(node, victim)], tier=tier + 1)
-    return attrs.evolve(store, copies={**store.copies, (node, victim): moved}), victim
-
-
-def evict(store: Store, node: int, tier: int) -> tuple[Store, Key | None]:
-    """Drop the tier's victim; answers its key."""
-    _live_node(store, node)
-    _tier(tier)
-    victim = _victim(store, node, tier)
-    if victim is None:
-        return store, None
-    return _without(store, node, victim), victim
-
-
-def replicate(store: Store, key: Key, source: int, target: int) -> Store:
-    """Copy ``source``'s block into ``target``'s GPU tier."""
-    _live_node(store, source)
-    _live_node(store, target)
-    copy = _held(store, source, key)
-    if (target, key) in store.copies:
-        raise InvalidOperation(f"node {target} already holds block {key!r}")
-    clock = store.clock + 1
-    fresh = Copy(tier=0, tokens=copy.tokens, uses=1, last_use=clock)
-    return _place(attrs.evolve(store, clock=clock), target, key, fresh)
-
-
-def pin(store: Store, node: int, key: Key) -> Store:
-    _live_node(store, node)
-    copy = _held(store, node, key)
-    return attrs.evolve(store, copies={**store.copies, (node, key): attrs.evolve(copy, pins=copy.pins + 1)})
-
-
-def unpin(store: Store, node: int, key: Key) -> Store:
-    _live_node(store, node)
-    copy = _held(store, node, key)
-    if copy.pins == 0:
-        raise InvalidOperation(f"block {key!r} on node {node} is not pinned")
-    return attrs.evolve(store, copies={**store.copies, (node, key): attrs.evolve(copy, pins=copy.pins - 1)})
-
-
-def fail(store: Store, node: int) -> Store:
-    """A node fault: its copies and pins vanish and it stops answering."""
-    _live_node(store, node)
-    alive = tuple(a and n != node for n, a in enumerate(store.alive))
-    return attrs.evolve(store, alive=alive, copies={p: c for p, c in store.copies.items() if p[0] != node})
-
-
-def restart(store: Store, node: int) -> Store:
-    """Bring a failed node back, empty."""
-    if not isinstance(node, int) or isinstance(node, bool) or not 0 <= node < len(store.alive):
-        raise InvalidOperation(f"node {node!r} is not a node of this store (0..{len(store.alive) - 1})")
-    if store.alive[node]:
-        raise InvalidOperation(f"node {node} is alive: only a failed node restarts")
-    return attrs.evolve(store, alive=tuple(a or n == node for n, a in enumerate(store.alive)))
-
-
-def lookup(store: Store, key: Key) -> tuple[Location, ...]:
-    return tuple(sorted((node, copy.tier) for (node, k), copy in store.copies.items() if k == key))
 
 
 # -- invariants over snapshots ---------------------------------------------------
@@ -400,22 +270,32 @@ def invariant_tier_capacity(state: StoreState) -> str | None:
     for node, tiers in enumerate(state.tiers):
         for tier, keys in enumerate(tiers):
             if len(keys) > state.capacities[tier]:
-                return f"node {node}'s {TIERS[tier]} tier holds {len(keys)} blocks, capacity {state.capacities[tier]}"
+                return f"node {node}'s {state.names[tier]} tier holds {len(keys)} blocks, capacity {state.capacities[tier]}"
     return None
 
 
-@invariant("a pinned copy is being transferred: evicting or moving it makes the transfer read freed memory", "safety")
-def invariant_pinned_never_evicted(before: StoreState, after: StoreState) -> str | None:
-    for (node, key), pins in before.pins.items():
-        if not after.alive[node]:
+def copies_in_use(state: StoreState) -> dict[Place, str]:
+    """The copies a snapshot shows in use, and why."""
+    used = {place: "pending" for place in state.pending}
+    used.update((place, "leased") for place in state.leases)
+    used.update((place, f"{pins} pin(s)") for place, pins in state.pins.items())
+    return used
+
+
+@invariant(
+    "a copy in use is being transferred (pinned, leased, or still being stored): evicting or moving it makes the "
+    "transfer read or write freed memory",
+    "safety",
+)
+def invariant_pinned_never_evicted(before: StoreState, after: StoreState, released: Sequence[Place] = ()) -> str | None:
+    """``released``: copies the operation itself let go of (a failed store's)."""
+    for (node, key), why in copies_in_use(before).items():
+        if not after.alive[node] or (node, key) in released:
             continue
-        if (
-            after.location(node, key) != before.location(node, key)
-            or after.contents.get((node, key)) != before.contents[(node, key)]
-        ):
-            return (
-                f"pinned block {key!r} ({pins} pin(s)) left node {node}'s {TIERS[before.location(node, key)[1]]} tier"  # type: ignore[index]
-            )
+        where = before.location(node, key)
+        if after.location(node, key) != where or after.contents.get((node, key)) != before.contents[(node, key)]:
+            tier = before.names[where[1]] if where else "?"
+            return f"block {key!r} ({why}) left node {node}'s {tier} tier or changed"
     return None
 
 
@@ -440,10 +320,32 @@ def invariant_replicas_agree(state: StoreState) -> str | None:
     return None
 
 
-@invariant("reuse is correct only if a hit reads the very tokens that were put under the key", "safety")
-def invariant_get_returns_put(key: Key, written: Tokens, read: Tokens | None) -> str | None:
+@invariant("reuse is correct only if a hit reads the very tokens the store accepted under the key", "safety")
+def invariant_get_returns_put(key: Key, written: Tokens | None, read: Tokens | None) -> str | None:
     if read is not None and read != written:
         return f"get({key!r}) read {read}, but {written} was put"
+    return None
+
+
+@invariant(
+    "a block still being stored holds part of a transfer: a hit that reads it serves KV that never finished arriving",
+    "safety",
+    needs=("kv_store.pending_stores",),
+)
+def invariant_pending_never_read(key: Key, was_pending: bool, read: Tokens | None) -> str | None:
+    if was_pending and read is not None:
+        return f"get({key!r}) read {read} from a copy still being stored"
+    return None
+
+
+@invariant(
+    "a store whose transfer failed must leave a miss: a copy left behind serves whatever the failed transfer wrote",
+    "safety",
+    needs=("kv_store.pending_stores",),
+)
+def invariant_failed_store_leaves_miss(after: StoreState, node: int, key: Key) -> str | None:
+    if (node, key) in after.contents or after.location(node, key) is not None:
+        return f"the store of {key!r} on node {node} failed, but the node still holds a copy"
     return None
 
 

@@ -1,20 +1,28 @@
 """Broken tiered stores: each breaks one rule of ``kvspec.spec.kv_store`` and must be caught.
 
 Every factory returns an ``Implementation`` whose store is a one-method
-subclass of the reference; ``properties/meta/test_teeth_kv_store.py`` names
-the invariant that catches each.
+subclass of the reference -- built, for the bugs of a convention's mechanism
+(pending stores, read leases), under the profile it declares -- and names the
+invariant that catches it; ``properties/meta/test_zoo.py`` runs each.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 
 from kvspec.impl.broken import caught_by, member
 from kvspec.impl.kv_store import Block, KVStore, Node
+from kvspec.spec import invariants
 from kvspec.spec import kv_store as store_spec
+from kvspec.spec.conventions import Conventions, StoreConventions
 from kvspec.spec.errors import OutOfBlocks
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.kv_store import TIERS, Tokens
+
+PENDING = StoreConventions(stores="pending")
+LEASES = StoreConventions(read_lease=60.0)
+BACKGROUND = StoreConventions(eviction="background")
 
 
 class DemotionDropsTheBlock(KVStore):
@@ -31,8 +39,8 @@ class DemotionDropsTheBlock(KVStore):
 class EvictsPinnedBlocks(KVStore):
     """Victims are taken in policy order whether a transfer has them pinned or not."""
 
-    def _victim(self, node: Node, tier: int) -> Hashable | None:
-        return next(iter(self._order(node, tier)), None)
+    def _victim(self, node: Node, tier: int, target: float | None = None) -> Hashable | None:
+        return next(iter(self._order(node, tier, target)), None)
 
 
 class StaleReplicaAfterReput(KVStore):
@@ -45,7 +53,7 @@ class StaleReplicaAfterReput(KVStore):
 class CapacityPerNode(KVStore):
     """Counts a node's blocks against the node's total, so one tier fills past its size."""
 
-    def _room_plan(self, node: Node, tier: int) -> list[tuple[Hashable, int]]:
+    def _room_plan(self, node: Node, tier: int, entering: Hashable) -> list[tuple[Hashable, int]]:
         if len(node.blocks) < sum(self.capacities):
             return []
         victim = self._victim(node, len(TIERS) - 1)
@@ -145,8 +153,49 @@ class GetIsNotAUse(KVStore):
         return block.tokens
 
 
-def _with_store(name: str, store: type[KVStore]) -> Implementation:
-    return member(name, kv_store=store)
+class ReadsPendingStores(KVStore):
+    """A hit on a copy still being stored reads its buffer as if the transfer had landed."""
+
+    def get(self, node: int, key: Hashable) -> Tokens | None:
+        block = self._node(node).blocks.get(key)
+        return block.tokens if block is not None and not block.ready else super().get(node, key)
+
+
+class KeepsFailedStores(KVStore):
+    """A store whose transfer failed is marked complete all the same."""
+
+    def complete(self, node: int, key: Hashable, ok: bool) -> None:
+        super().complete(node, key, True)
+
+
+class EvictsLeasedCopies(KVStore):
+    """Read leases are granted but eviction only skips pinned and pending copies."""
+
+    def _free(self, block: Block) -> bool:
+        return block.ready and not block.pins
+
+
+class ForcedRemoveDropsCopiesInUse(KVStore):
+    """``remove`` drops the copy whatever holds it and releases its pins (LMCache's forced remove)."""
+
+    def remove(self, node: int, key: Hashable) -> None:
+        self._held(node, key)
+        self._drop(node, self._node(node), key)
+
+
+class ArcForgetsGhosts(KVStore):
+    """ARC without its ghost lists: a victim leaves no trace, so a key coming back never adapts the target."""
+
+    def _leave(self, node: Node, tier: int, key: Hashable) -> None:
+        pass
+
+
+def _with_store(name: str, store: type[KVStore], conventions: StoreConventions | None = None) -> Implementation:
+    """A member whose store is ``store``; built, when ``conventions`` are given, under them whatever the member
+    is declared to do (a safety bug shows whatever is declared)."""
+    if conventions is None:
+        return member(name, kv_store=store)
+    return member(name, Conventions(store=conventions), kv_store=functools.partial(store, conventions=conventions))
 
 
 @caught_by(store_spec.invariant_demotion_keeps_the_block, "tiered KV store (node faults)")
@@ -198,3 +247,36 @@ def reads_the_swapped_buffer() -> Implementation:
 @caught_by(store_spec.invariant_store_refines_spec, "tiered KV store (node faults)")
 def get_is_not_a_use() -> Implementation:
     return _with_store("broken: a get is not counted as a use", GetIsNotAUse)
+
+
+@caught_by(store_spec.invariant_pending_never_read, "tiered KV store (node faults)")
+def reads_pending_stores() -> Implementation:
+    return _with_store("broken: a hit reads a copy still being stored", ReadsPendingStores, PENDING)
+
+
+@caught_by(store_spec.invariant_failed_store_leaves_miss, "tiered KV store (node faults)")
+def keeps_failed_stores() -> Implementation:
+    return _with_store("broken: a failed store is kept", KeepsFailedStores, PENDING)
+
+
+@caught_by(store_spec.invariant_pinned_never_evicted, "tiered KV store (node faults)")
+def evicts_leased_copies() -> Implementation:
+    return _with_store("broken: eviction ignores read leases", EvictsLeasedCopies, LEASES)
+
+
+@caught_by(invariants.invariant_out_of_contract_call_rejected, "tiered KV store (node faults)")
+def forced_remove_drops_copies_in_use() -> Implementation:
+    return _with_store("broken: a forced remove drops a copy in use", ForcedRemoveDropsCopiesInUse)
+
+
+@caught_by(store_spec.invariant_store_refines_spec, "tiered KV store (node faults)")
+def arc_forgets_ghosts() -> Implementation:
+    return _with_store("broken: ARC keeps no ghosts", ArcForgetsGhosts)
+
+
+@caught_by(invariants.invariant_verdict_matches_spec, "tiered KV store (node faults)")
+def evicts_on_the_put_path() -> Implementation:
+    """Declares background eviction, but makes room the moment a put needs it."""
+    return member(
+        "broken: declared background eviction, evicts on the put path", Conventions(store=BACKGROUND), kv_store=KVStore
+    )
