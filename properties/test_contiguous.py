@@ -50,7 +50,11 @@ class ContiguousMachine(LockstepMachine):
 
     @rule(data=st.data())
     def arrive(self, data: st.DataObject) -> None:
-        """Admit a request: reserve its slots, then write its prompt (the prefill)."""
+        """Admit a request: reserve its slots, then write its prompt (the prefill).  First, as often as not, a
+        live request finishes, as one does between two admissions: drawn here, so that swarm testing (which
+        turns the ``free`` rule off in many examples) never leaves an example without frees and merges."""
+        if bool(self.live()) and data.draw(st.booleans(), label="a request finishes first"):
+            self._free(data.draw(st.sampled_from(self.live()), label="finished"))
         final = data.draw(st.integers(2, self.max_length), label="final_length")
         prompt = data.draw(st.integers(1, final - 1), label="prompt")
         slots = model.reserved_slots(self.reservation, prompt, final - prompt, self.max_length)
@@ -79,8 +83,10 @@ class ContiguousMachine(LockstepMachine):
                 self.final_lengths[request_id] = slots
                 placed.append(request_id)
         for request_id in placed[::2]:
-            self.arena("free", request_id)
-            del self.final_lengths[request_id]
+            self._free(request_id)
+        if data.draw(st.booleans(), label="then the others"):  # each beside a free neighbour: merges
+            for request_id in placed[1::2]:
+                self._free(request_id)
 
     def _allocate(self, request_id: int, slots: int) -> bool:
         if self.arena("allocate", request_id, slots) is None:
@@ -106,7 +112,9 @@ class ContiguousMachine(LockstepMachine):
 
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
-        request_id = data.draw(st.sampled_from([*self.live(), *self.live(), self.next_id]), label="request")
+        self._free(data.draw(st.sampled_from([*self.live(), *self.live(), self.next_id]), label="request"))
+
+    def _free(self, request_id: int) -> None:
         if self.arena("free", request_id) is not None:
             del self.final_lengths[request_id]
             event("free merged blocks" if len(self.arena.model.free) <= 1 else "free left several free blocks")
