@@ -43,7 +43,7 @@ class TieredSwapMachine(LockstepMachine):
     def start(self, data: st.DataObject) -> None:
         blocks = data.draw(st.integers(3, 8), label="device blocks")
         block_size = data.draw(st.integers(1, 3), label="block size")
-        factor = data.draw(st.sampled_from([2, 3, 1]), label="device blocks per tier block")
+        factor = data.draw(st.sampled_from([2, 3, 2, 3, 1]), label="device blocks per tier block")
         capacities = tuple(data.draw(st.integers(1, 3), label=f"{tier} capacity") for tier in TIERS)
         policy = data.draw(st.sampled_from(self.conventions.pool.policies), label="policy")
         self.record(
@@ -58,9 +58,21 @@ class TieredSwapMachine(LockstepMachine):
         store = impl.component("kv_store")(1, capacities, policies)
         self.store = self.subject("store", kv_store, kv_store.new_store(1, capacities, policies), store)
         self.block_size, self.factor = block_size, factor
+        # a prompt of 2 to factor + 1 device blocks, one a swap-out can cut inside a tier block; its tokens
+        # distinct, so that a block loaded from the wrong slice holds other tokens than the right one
+        spanning = st.lists(
+            st.integers(0, 99), min_size=block_size + 1, max_size=(factor + 1) * block_size, unique=True
+        )
+        self.new_prompts = PROMPTS | spanning
         self.swapped: dict[int, tuple[tuple[int, ...], list[Key]]] = {}  # slot -> (tokens it held, its tier keys)
         self.prompts: list[tuple[int, list[int]]] = []  # (slot, prompt) of every admission
         self.refused: tuple[str, int, list[int]] | None = None  # the write or swap-in refused last
+        # a first sequence, preempted to the store: swarm testing turns ``admit`` and ``swap_out`` off in many
+        # examples, and a partial swap-in needs both
+        first = data.draw(spanning, label="first prompt")
+        if self.write("add_sequence", 0, first):
+            self.prompts.append((0, first))
+            self.swap_out_seq(0, data)
 
     @property
     def tier_block_size(self) -> int:
@@ -82,8 +94,8 @@ class TieredSwapMachine(LockstepMachine):
             return False
         return True
 
-    @rule(slot=SLOTS, prompt=PROMPTS, data=st.data())
-    def admit(self, slot: int, prompt: list[int], data: st.DataObject) -> None:
+    @rule(slot=SLOTS, data=st.data())
+    def admit(self, slot: int, data: st.DataObject) -> None:
         """A new prompt in ``slot``, or an earlier one again, in its slot or this one (freed first, as an engine
         reuses a finished request's slot).  First, as often as not, the call refused last is retried, and a
         swapped-out sequence resumes."""
@@ -91,14 +103,22 @@ class TieredSwapMachine(LockstepMachine):
             self.retry_refused()
         if bool(self.swapped) and data.draw(st.booleans(), label="resume a swapped-out sequence first"):
             self.swap_in(slot)
+        prompt = data.draw(self.new_prompts, label="prompt")
         if bool(self.prompts) and data.draw(st.booleans(), label="an earlier prompt"):
             earlier, prompt = data.draw(st.sampled_from(self.prompts), label="earlier admission")
             slot = earlier if data.draw(st.booleans(), label="in its slot") else slot
             event(f"revisit: re-admitted an earlier prompt in {'the same' if slot == earlier else 'another'} slot")
         if slot in self.device.model.tables:
             self.free_slot(slot)
+        self.admit_prompt(slot, prompt, data)
+
+    def admit_prompt(self, slot: int, prompt: list[int], data: st.DataObject) -> None:
+        """Add ``prompt`` in ``slot``; then, as often as not, preempt it to the store (swarm testing may turn
+        ``swap_out`` off)."""
         if self.write("add_sequence", slot, prompt):
             self.prompts.append((slot, prompt))
+            if data.draw(st.booleans(), label="preempt it to the store"):
+                self.swap_out_seq(slot, data)
 
     @rule(slot=SLOTS, tokens=st.lists(TOKENS, max_size=4))
     def append(self, slot: int, tokens: list[int]) -> None:
@@ -145,12 +165,18 @@ class TieredSwapMachine(LockstepMachine):
         if bool(self.swapped) and data.draw(st.booleans(), label="swap one in first"):
             self.swap_in(slot)
         seq = self.nearest(self.running(), slot)
-        if seq is None:
-            return
+        if seq is not None:
+            self.swap_out_seq(seq, data)
+
+    def swap_out_seq(self, seq: int, data: st.DataObject) -> None:
         table, tokens = self.device.model.tables[seq], self.device.model.tokens[seq]
         if not table:
             return
-        keep = data.draw(st.integers(min(1, len(table) - 1), len(table) - 1) | st.just(0), label="blocks kept resident")
+        # mostly a cut inside a tier block, where a partial swap-in must skip the resident part of its first one
+        inside = [keep for keep in range(1, len(table)) if keep % self.factor]
+        cuts = st.integers(min(1, len(table) - 1), len(table) - 1) | st.just(0)
+        inside_mostly = st.sampled_from(inside) | st.sampled_from(inside) | cuts if inside else cuts
+        keep = data.draw(inside_mostly, label="blocks kept resident")
         tiers = model.tier_blocks(tokens, self.tier_block_size, keep // self.factor)
         if not all(self.store("put", NODE, key, list(contents)) is not None for key, contents in tiers):
             return
@@ -194,7 +220,7 @@ class TieredSwapMachine(LockstepMachine):
         )
         self.check(model.invariant_swap_round_trip_exact, seq, tokens, self.device.impl.read(seq))
         self.check(invariant_result_matches_spec, answer.expected, answer.actual)
-        edge = "" if resident % self.factor else " at a tier block's edge"
+        edge = " mid tier block" if resident % self.factor else " at a tier block's edge"
         event(f"partial swap-in{edge}" if resident else "swap-in of the whole sequence")
 
     @rule(slot=SLOTS, how=st.sampled_from(["node", "tier block size", "keys", "lost key", "running"]))
