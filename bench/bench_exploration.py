@@ -5,8 +5,9 @@
 examples run, the steps explored, the distinct operations called, and the share of examples in which
 each mechanism occurred.  A mechanism is a pattern over the events the machines record with
 ``hypothesis.event`` (``MECHANISMS``; the harness's "... rejected" events and Hypothesis's own are not mechanisms); a dash
-means the machine never records it (not "0 %").  It prints shares and never asserts them: the score
-is read, and kept, by people.
+means the machine never records it (not "0 %").  ``TARGETS`` names, per mechanism a known bug needs, the
+machines that must reach it in ``TARGET_SHARE`` of their examples; a second table shows each target's share.
+It prints shares and never asserts them: the score is read, and kept, by people.
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ MECHANISMS: dict[str, str] = {
     "replay": r"replayed",
     "eviction": r"evict|demoted",
     "fault": r"fault",
+    "refuse-change-retry": r"after its cached blocks changed",
+    "2 passed over": r"passed over 2\+ requests not ready",
+    "grant taken": r"grant taken from a victim",
+    "mid-tier swap-in": r"^partial swap-in mid tier block",
+}
+TARGET_SHARE = 0.3
+TARGETS: dict[str, tuple[str, ...]] = {
+    # the shapes the bugs of issue 22 need: a share of examples under the ci profile, in each machine named
+    "refuse-change-retry": ("prefix cache", "prefix cache (deferred commit)", "scheduler over the prefix cache"),
+    "2 passed over": ("scheduler over the prefix cache", "scheduler (priority)"),
+    "grant taken": ("scheduler (priority)",),
+    "mid-tier swap-in": ("tiered swap (partial swap-in)",),
 }
 NOT_MECHANISMS = re.compile(r" out of contract, rejected$| rejected with |^(Retried draw|Draw for|gave up)")
 
@@ -65,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [(title, path) for title, path in suite.MACHINES if args.machine in title]
     rows = [score(title, path, base) for title, path in progress(chosen, "machines")]
     if args.json:
-        emit_json({"profile": args.profile, "machines": rows})
+        emit_json({"profile": args.profile, "machines": rows, "targets": target_rows(rows)})
         return 0
     header = ["machine", "examples", "steps", "ops", *MECHANISMS]
     body = [
@@ -79,7 +92,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in rows
     ]
     print(table(header, body, title=f"exploration score, profile {args.profile}: share of examples per mechanism"))
+    targets = target_rows(rows)
+    if targets:
+        title = f"\ntargets: share of examples, {TARGET_SHARE:.0%} or more wanted"
+        print(table(["mechanism", "machine", "share", ""], targets, title=title))
     return 0
+
+
+def target_rows(rows: list[dict[str, object]]) -> list[list[str]]:
+    """(mechanism, machine, share, verdict) for each target among the machines scored."""
+    shares = {row["machine"]: row["shares"] for row in rows}
+    found = []
+    for mechanism, machines in TARGETS.items():
+        for machine in machines:
+            if machine in shares:
+                share = shares[machine][mechanism] or 0.0  # type: ignore[index]
+                found.append([mechanism, machine, f"{share:.0%}", "met" if share >= TARGET_SHARE else "BELOW"])
+    return found
 
 
 if __name__ == "__main__":
