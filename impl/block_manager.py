@@ -10,21 +10,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
-from kvspec.spec.block_manager import (
-    ManagerState,
-    SeqId,
-    TierLoad,
-    WritePlan,
-    blocks_for,
-    check_block_size,
-    check_tokens,
-    require_continuation,
-    tier_contents,
-    tier_factor,
-)
+from kvspec.spec.block_manager import ManagerState, SeqId, WritePlan, blocks_for, check_block_size, check_tokens
 from kvspec.spec.block_pool import BlockPool as BlockPoolProtocol
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.kv_store import KVStore
+from kvspec.spec.tiered_swap import TierLoad, require_continuation, tier_contents, tier_factor
 
 
 class BlockManager:

@@ -621,6 +621,7 @@ def verdict_of(run: Run, profile: str) -> Verdict:
     rules = tuple(
         RuleVerdict(rule.name, rule.layer, rule.tier, verdict(rule), run.checks[rule], run.checks_after_known[rule])
         for _, rule in sorted(REGISTRY.items(), key=lambda item: (item[1].layer, item[0]))
+        if rule.check.__module__.startswith("kvspec.spec.") or rule.layer in run.selected  # a third party's: if run
     )
     violations = group_knock_ons([v for v, _ in run.found.values()])
     return Verdict(

@@ -45,6 +45,7 @@ from __future__ import annotations
 import re
 import sys
 import traceback
+import unittest
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -166,10 +167,10 @@ class Subject:
         spec: Specs | None,
         model: Any,
         impl: Any,
-        snapshot: Callable[[], object] | None = None,
+        snapshot: Callable[[], Any] | None = None,
     ) -> None:
         self.machine, self.name, self.spec, self.model, self.impl = machine, name, spec, model, impl
-        self.snapshot = snapshot or (lambda: impl.snapshot())
+        self.snapshot: Callable[[], Any] = snapshot or (lambda: impl.snapshot())  # the state's type is the layer's
 
     def __repr__(self) -> str:
         return self.name
@@ -179,7 +180,8 @@ class Subject:
         modules = (self.spec,) if isinstance(self.spec, ModuleType) else self.spec or ()
         for module in modules:
             if hasattr(module, operation):
-                return getattr(module, operation)
+                transition: Callable[..., Any] = getattr(module, operation)
+                return transition
         raise AttributeError(f"no spec module of {self.name} models {operation!r}")
 
     def __call__(
@@ -299,7 +301,7 @@ class LockstepMachine(RuleBasedStateMachine):
         return self.implementation.offers_operation(kind, operation)
 
     def subject(
-        self, name: str, spec: Specs | None, model: Any, impl: Any, snapshot: Callable[[], object] | None = None
+        self, name: str, spec: Specs | None, model: Any, impl: Any, snapshot: Callable[[], Any] | None = None
     ) -> Subject:
         return Subject(self, name, spec, model, impl, snapshot)
 
@@ -601,16 +603,18 @@ class ConformanceTest:
 
     ``TestBlockPool = conformance_test(BlockPoolMachine)`` in a module collected by pytest
     becomes the machine's Hypothesis ``TestCase`` bound to the implementation that
-    ``--kv-impl`` names (``kvspec.pytest_plugin``): nothing is bound at import time.
+    ``--kv-impl`` names (``kvspec.pytest_plugin``): nothing is bound at import time.  A machine
+    the implementation does not offer what it needs for (``not_offered``) is skipped, with why.
     """
 
     machine: type[LockstepMachine]
     examples: float = 1.0  # scales the profile's example count, for machines whose steps are costly
 
     def bind(self, implementation: Implementation, base: Settings | None = None) -> type:
-        test = self.machine.bind(implementation).TestCase
+        test: type[Any] = self.machine.bind(implementation).TestCase
         test.settings = conformance_settings(base, self.examples)
-        return test
+        reason = self.machine.not_offered(implementation)
+        return unittest.skip(reason)(test) if reason else test
 
 
 def conformance_test(machine: type[LockstepMachine], examples: float = 1.0) -> ConformanceTest:

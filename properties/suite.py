@@ -42,7 +42,8 @@ MACHINES: tuple[tuple[str, str], ...] = (
 
 def load_machine(path: str) -> type[LockstepMachine]:
     module_name, _, attribute = path.partition(":")
-    return getattr(importlib.import_module(module_name), attribute)
+    machine: type[LockstepMachine] = getattr(importlib.import_module(module_name), attribute)
+    return machine
 
 
 def machine_titled(title: str) -> type[LockstepMachine]:

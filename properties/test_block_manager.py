@@ -12,6 +12,8 @@ or a new one.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, multiple, precondition, rule
@@ -23,7 +25,9 @@ from kvspec.spec.block_manager import WritePlan
 
 TOKENS = st.integers(0, 9)
 NOT_TOKENS = st.sampled_from([-1, 1.5, True, "7", None])
-MALFORMED = st.one_of(st.just([]), st.lists(st.one_of(TOKENS, NOT_TOKENS), min_size=1, max_size=3))
+MALFORMED: st.SearchStrategy[list[Any]] = st.one_of(
+    st.just([]), st.lists(st.one_of(TOKENS, NOT_TOKENS), min_size=1, max_size=3)
+)
 PROMPTS = st.lists(TOKENS, min_size=1, max_size=10, unique=True)  # distinct tokens make misplaced data visible
 APPENDS = st.lists(TOKENS, max_size=6, unique=True)
 DEVICES = st.sampled_from(["gpu", "gpu", "cpu"])
@@ -51,7 +55,7 @@ class BlockManagerMachine(LockstepMachine):
             device: self.subject(
                 device,
                 model,
-                model.new_manager(block_size, block_pool.new_pool(blocks, policy, self.conventions.pool)),
+                model.new_manager(block_pool.new_pool(blocks, policy, self.conventions.pool), block_size),
                 impl.block_manager(impl.block_pool(blocks, policy), block_size),
             )
             for device, blocks in (("gpu", gpu_blocks), ("cpu", cpu_blocks))
@@ -122,11 +126,11 @@ class BlockManagerMachine(LockstepMachine):
         added = []
         if self.refused is not None and data.draw(st.booleans(), label="retry the refused write first"):
             added.append(self.retry_refused())
-        if self.prompts and data.draw(st.booleans(), label="an earlier prompt"):
+        if bool(self.prompts) and data.draw(st.booleans(), label="an earlier prompt"):
             prompt = data.draw(st.sampled_from(self.prompts), label="earlier prompt")
             vacant = [s for s in self.freed_ids if all(s not in d.model.tables for d in self.devices.values())]
             seq = None
-            if vacant and data.draw(st.booleans(), label="in a freed slot"):
+            if bool(vacant) and data.draw(st.booleans(), label="in a freed slot"):
                 seq = data.draw(st.sampled_from(vacant), label="freed slot")
             event(f"revisit: re-admitted an earlier prompt in {'the same' if seq is not None else 'another'} slot")
             added.append(self.add(device, prompt, seq))
@@ -150,15 +154,16 @@ class BlockManagerMachine(LockstepMachine):
         revisited = self.revisit(data, "gpu")
         parent = self.add("gpu", prompt)
         samples = [parent] if parent is not None else []
-        while samples and len(samples) < n and (child := self.fork_of(parent)) is not None:
+        while parent is not None and len(samples) < n and (child := self.fork_of(parent)) is not None:
             self.managers_match_spec()
             samples.append(child)
         plans = []
         for i, sample in enumerate(samples):
             self.managers_match_spec()
             plans.append(self.extend(sample, [10 + i]))
-        if len(samples) == n and None not in plans:
-            copies = sum(len(plan.copies) for plan in plans)
+        written = [plan for plan in plans if plan is not None]
+        if len(samples) == n and len(written) == n:
+            copies = sum(len(plan.copies) for plan in written)
             self.check(model.invariant_parallel_sampling_copies, n, len(prompt), self.block_size, copies)
         return multiple(*revisited, *samples)
 

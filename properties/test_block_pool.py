@@ -54,7 +54,7 @@ class BlockPoolMachine(LockstepMachine):
             event("revisit: retried a rejected call")
             self._allocate(self.refused)
         evicted = sorted(self.ever_cached - set(self.pool.model.cached))
-        if evicted and data.draw(st.booleans(), label="cache an evicted hash again"):
+        if bool(evicted) and data.draw(st.booleans(), label="cache an evicted hash again"):
             self.fill_and_cache(data.draw(st.sampled_from(evicted), label="evicted hash"))
 
     def _allocate(self, n: int) -> list[int]:

@@ -18,7 +18,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import contiguous as model
-from kvspec.spec.contiguous import PLACEMENTS, RESERVATIONS, Reservation
+from kvspec.spec.contiguous import PLACEMENTS, RESERVATIONS, Placement, Reservation
 
 
 class ContiguousMachine(LockstepMachine):
@@ -28,7 +28,7 @@ class ContiguousMachine(LockstepMachine):
     max_lengths = st.integers(2, 12)
 
     @initialize(data=st.data(), placement=st.sampled_from(PLACEMENTS), reservation=st.sampled_from(RESERVATIONS))
-    def start(self, data: st.DataObject, placement: str, reservation: Reservation) -> None:
+    def start(self, data: st.DataObject, placement: Placement, reservation: Reservation) -> None:
         capacity = data.draw(self.capacities, label="capacity")
         self.max_length = data.draw(self.max_lengths, label="max_length")
         self.reservation = reservation

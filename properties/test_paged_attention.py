@@ -64,7 +64,7 @@ class PagedAttentionMachine(LockstepMachine):
         policy = self.conventions.pool.policies[0]
         manager = implementation.block_manager(implementation.block_pool(capacity, policy), block_size)
         cache = implementation.paged_kv_cache(manager, self.model.config.kv_shape)
-        expected = model.new_manager(block_size, block_pool.new_pool(capacity, policy, self.conventions.pool))
+        expected = model.new_manager(block_pool.new_pool(capacity, policy, self.conventions.pool), block_size)
         self.paged = self.subject("paged", model, expected, cache, snapshot=lambda: manager.snapshot())
         self.twin = implementation.contiguous_kv_cache(self.model.config.kv_shape)
         self.chunk = st.lists(TOKENS, min_size=1, max_size=min(2 * block_size + 1, 20))
@@ -166,7 +166,7 @@ class PagedAttentionMachine(LockstepMachine):
     def beam_step(self, slots: list[int], tokens: list[int]) -> None:
         """Beam search: the next beams are children of a few survivors; every old beam is dropped."""
         beams = self.live()[-MAX_BEAM:]
-        parents = [min(beams, key=lambda beam, slot=slot: (beam - slot) % SLOTS) for slot in slots]
+        parents = [nearest_beam(beams, slot) for slot in slots]
         children = [
             child for parent, child in zip(parents, self.free_slots(), strict=False) if self.fork_both(parent, child)
         ]
@@ -192,6 +192,11 @@ class PagedAttentionMachine(LockstepMachine):
             target(float(self.deepest_fork), label="deepest fork chain")
             event("copy-on-write happened" if self.copies else "no copy-on-write")
         super().teardown()
+
+
+def nearest_beam(beams: list[int], slot: int) -> int:
+    """The beam at the drawn slot, else the next one (cyclically)."""
+    return min(beams, key=lambda beam: (beam - slot) % SLOTS)
 
 
 TestPagedAttention = conformance_test(PagedAttentionMachine)

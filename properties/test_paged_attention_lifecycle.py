@@ -120,9 +120,9 @@ class PagedLifecycleMachine(LockstepMachine):
         return [seq for seq in range(SLOTS) if seq not in self.history]
 
     @staticmethod
-    def nearest(candidates: Sequence[int], slot: int) -> int | None:
+    def nearest(candidates: Sequence[int], slot: int, default: int) -> int:
         """The drawn slot if it is a candidate, else the next one (cyclically): stable as other slots change."""
-        return min(candidates, key=lambda seq: (seq - slot) % SLOTS, default=None)
+        return min(candidates, key=lambda seq: (seq - slot) % SLOTS, default=default)
 
     # -- the paged side, in lockstep with the spec -------------------------------------
 
@@ -230,8 +230,8 @@ class PagedLifecycleMachine(LockstepMachine):
         """A fork shares every block; the next write of either side into a partial one copies on write."""
         if not self.empty_slots():
             return  # every id is taken on the GPU or the CPU; a scheduler never reuses one that is swapped out
-        parent = self.nearest(self.on_gpu(), parent) if self.on_gpu() else parent  # none: rejected
-        child = self.nearest(self.empty_slots(), child)
+        parent = self.nearest(self.on_gpu(), parent, default=parent)  # none on the GPU: rejected
+        child = self.nearest(self.empty_slots(), child, default=child)
         if self.gpu("fork", parent, child) is not None:
             self.twin.fork(parent, child)
             self.history[child] = list(self.history[parent])
@@ -240,7 +240,7 @@ class PagedLifecycleMachine(LockstepMachine):
     def free(self, slot: int) -> None:
         """The nearest sequence on the GPU; a swapped-out one (its blocks are on the CPU) must be rejected."""
         swapped = {seq for group in self.swapped for seq in group}
-        seq = slot if slot in swapped or not self.on_gpu() else self.nearest(self.on_gpu(), slot)
+        seq = slot if slot in swapped else self.nearest(self.on_gpu(), slot, default=slot)
         if self.free_both(seq):
             self.forget(seq)
 
@@ -248,7 +248,7 @@ class PagedLifecycleMachine(LockstepMachine):
     @rule(slots=st.lists(SEQS, min_size=1, max_size=3))
     def swap_out(self, slots: list[int]) -> None:
         """A group leaves for the CPU, all or nothing; with nothing on the GPU the move must be rejected."""
-        group = tuple(sorted({self.nearest(self.on_gpu(), slot) if self.on_gpu() else slot for slot in slots}))
+        group = tuple(sorted({self.nearest(self.on_gpu(), slot, default=slot) for slot in slots}))
         if self.gpu("move_sequences", self.cpu, group, judged_by=None) is not None:
             self.swapped.append(group)
             event(f"swap out: group of {len(group)}")
@@ -270,9 +270,9 @@ class PagedLifecycleMachine(LockstepMachine):
     @rule(slot=SEQS, token=TOKENS)
     def recompute(self, slot: int, token: int) -> None:
         """Preemption by recompute: free, then prefill prompt + generated again; the twin keeps its KV."""
-        seq = self.nearest(self.on_gpu(), slot)
-        if seq is None:
+        if not self.on_gpu():
             return
+        seq = self.nearest(self.on_gpu(), slot, default=slot)
         tokens = self.gpu.model.manager.tokens[seq]
         if not self.free_both(seq):
             return

@@ -25,6 +25,8 @@ as well.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
@@ -90,7 +92,7 @@ class PrefixCacheMachine(LockstepMachine):
 
     def extra_key(self, data: st.DataObject) -> model.ExtraKey:
         """None, an earlier key (a hit), a near miss of one (a collision, if the encoding is careless), or a new one."""
-        choices = [st.none(), RICH_KEYS]
+        choices: list[st.SearchStrategy[Any]] = [st.none(), RICH_KEYS]
         if self.keys:
             earlier = st.sampled_from(self.keys)
             choices += [earlier, earlier, earlier.flatmap(lambda key: st.sampled_from(near_misses(key)))]
@@ -211,7 +213,7 @@ class PrefixCacheMachine(LockstepMachine):
     def request(self, data: st.DataObject) -> tuple[int | None, list[int], model.ExtraKey]:
         """(None, a new prompt, a key), or -- as often, once there is one -- an earlier admission's
         (slot, prompt, key): it meets a cache that has changed since, evicted perhaps."""
-        if self.admitted and data.draw(st.booleans(), label="an earlier request"):
+        if bool(self.admitted) and data.draw(st.booleans(), label="an earlier request"):
             slot, prompt, extra_key, evictions = data.draw(st.sampled_from(self.admitted), label="earlier request")
             if evictions < self.evictions:
                 event("revisit: replayed a prompt after eviction")
@@ -289,7 +291,7 @@ class PrefixCacheMachine(LockstepMachine):
     def evict_and_replay(self, n: int, data: st.DataObject) -> None:
         """Evict cached blocks; then, as often, serve an earlier request again: a shorter hit, or none."""
         self.evict(n)
-        if self.admitted and data.draw(st.booleans(), label="replay an earlier request"):
+        if bool(self.admitted) and data.draw(st.booleans(), label="replay an earlier request"):
             earlier, prompt, extra_key, _ = data.draw(st.sampled_from(self.admitted), label="earlier request")
             event("revisit: replayed a prompt after eviction")
             self.serve(data, prompt, extra_key, earlier)

@@ -15,13 +15,15 @@ agree at block granularity.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
 
 from kvspec.properties.harness import LockstepMachine, conformance_test
-from kvspec.spec import block_pool
+from kvspec.spec import block_pool, radix_conventions
 from kvspec.spec import radix_cache as model
 from kvspec.spec.conventions import REFERENCE, RadixConventions
 from kvspec.spec.implementation import Implementation
@@ -37,7 +39,7 @@ CACHE_BUDGET = 8  # tokens a request's admission keeps the cache within, evictin
 def drawn_key(data: st.DataObject, earlier: list[tuple[int, ...]], *, min_size: int = 0) -> list[int]:
     """Mostly a cut of an earlier key plus new tokens, so that requests share prefixes."""
     fresh = data.draw(st.lists(TOKENS, max_size=6), label="new tokens")
-    if earlier and data.draw(st.booleans(), label="extend an earlier key"):
+    if bool(earlier) and data.draw(st.booleans(), label="extend an earlier key"):
         base = data.draw(st.sampled_from(earlier), label="earlier key")
         fresh = list(base[: data.draw(st.integers(0, len(base)), label="cut")]) + fresh
     return fresh if len(fresh) >= min_size else fresh + [0] * (min_size - len(fresh))
@@ -51,8 +53,8 @@ class RadixCacheMachine(LockstepMachine):
     @initialize()
     def start(self) -> None:
         self.record("radix = radix_cache()")
-        spec = model.new_radix(self.conventions.radix)
-        self.radix = self.subject("radix", model, spec, self.implementation.radix_cache())
+        spec = radix_conventions.new_radix(self.conventions.radix)
+        self.radix = self.subject("radix", radix_conventions, spec, self.implementation.radix_cache())
         self.next_value = 0
         self.extra_key: str | None = None  # the namespace the next calls come from
         self.prompts: list[tuple[list[int], int]] = []  # each request's prompt, with the evictions before it
@@ -99,7 +101,7 @@ class RadixCacheMachine(LockstepMachine):
             event("revisit: retried a rejected call")
             if self.radix(operation, key, *self.namespace(self.extra_key)) is None:
                 self.refused = (operation, key)
-        if self.prompts + self.inserted and data.draw(st.booleans(), label="an earlier prompt again"):
+        if bool(self.prompts + self.inserted) and data.draw(st.booleans(), label="an earlier prompt again"):
             key = self.earlier_prompt(data, self.prompts + self.inserted)
             self.match(key)
             self.radix("insert", key, self.values_for(key, corrupt=False), *self.namespace(self.extra_key))
@@ -141,7 +143,7 @@ class RadixCacheMachine(LockstepMachine):
         within a budget of cached tokens, cache it, and lock the whole path while the request runs.  As often
         as not the prompt is an earlier request's, met again after the tree changed.  A prompt is whole pages."""
         key += [0] * (-len(key) % self.conventions.radix.page_size)
-        if self.prompts and data.draw(st.booleans(), label="an earlier prompt"):
+        if bool(self.prompts) and data.draw(st.booleans(), label="an earlier prompt"):
             key = self.earlier_prompt(data, self.prompts)
         self.prompts.append((key, self.evicted))
         matched = self.match(key)
@@ -228,10 +230,13 @@ class RadixAgreesWithChainedHashMachine(LockstepMachine):
     @rule(data=st.data())
     def compare_hits(self, data: st.DataObject) -> None:
         key = drawn_key(data, self.requests)
-        radix_tokens = len(self.radix("match_prefix", key).actual)
-        chained_blocks = len(self.chained("cached_prefix", key).actual)
-        self.check(model.invariant_radix_agrees_with_chained_hash, radix_tokens, chained_blocks, self.block_size)
-        event("block-level hit on both" if chained_blocks else "no block-level hit")
+        radix, chained = self.radix("match_prefix", key), self.chained("cached_prefix", key)
+        if radix is None or chained is None:
+            return
+        self.check(
+            model.invariant_radix_agrees_with_chained_hash, len(radix.actual), len(chained.actual), self.block_size
+        )
+        event("block-level hit on both" if chained.actual else "no block-level hit")
 
 
 TestRadixCache = conformance_test(RadixCacheMachine)
@@ -256,7 +261,7 @@ def test_a_new_leaf_is_newer_than_the_walk_that_made_it(kv_implementation: Imple
     """Found against SGLang 0.5.23 (shrunk): the second insert splits [1, 1, 0, 0, 0] off its node and adds the
     leaf [0, 0] beside it; SGLang stamps that new leaf after the walk, so the split-off tail is older and goes
     first.  The implementation under test must evict what the model of its declared conventions evicts."""
-    calls = [
+    calls: list[tuple[Any, ...]] = [
         ("insert", [0, 0], [0, 1]),
         ("lock", [0, 0]),
         ("insert", [0, 1, 1, 0, 0, 0], [2, 3, 4, 5, 6, 7]),
@@ -265,20 +270,20 @@ def test_a_new_leaf_is_newer_than_the_walk_that_made_it(kv_implementation: Imple
         ("insert", [0, 1, 0, 0], [8, 9, 10, 11]),
         ("match_prefix", [0]),
     ]
-    sglang = model.new_radix(
+    sglang = radix_conventions.new_radix(
         RadixConventions(eviction_granularity="whole_leaves", recency="per_node", lock_by="handle")
     )
-    cache, radix = kv_implementation.radix_cache(), model.new_radix(kv_implementation.conventions.radix)
+    cache, radix = kv_implementation.radix_cache(), radix_conventions.new_radix(kv_implementation.conventions.radix)
     if kv_implementation.conventions.radix.page_size != 1:
         pytest.skip("the example's keys are not whole pages")
     for operation, *args in calls:
         getattr(cache, operation)(*args)
         radix = model_step(radix, operation, *args)
         sglang = model_step(sglang, operation, *args)
-    assert model.evict(sglang, 1)[1] == (7, 6, 5, 4)
-    assert cache.evict(1) == model.evict(radix, 1)[1]
+    assert radix_conventions.evict(sglang, 1)[1] == (7, 6, 5, 4)
+    assert cache.evict(1) == radix_conventions.evict(radix, 1)[1]
 
 
 def model_step(radix: model.Radix, operation: str, *args: object) -> model.Radix:
-    result = getattr(model, operation)(radix, *args)
+    result = getattr(radix_conventions, operation)(radix, *args)
     return result[0] if isinstance(result, tuple) else result

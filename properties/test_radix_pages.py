@@ -60,7 +60,7 @@ class RadixPagesMachine(LockstepMachine):
     # -- requests ----------------------------------------------------------------------
 
     def draw_prompt(self, data: st.DataObject) -> tuple[int, ...]:
-        if self.prompts and data.draw(st.booleans(), label="an earlier prompt"):
+        if bool(self.prompts) and data.draw(st.booleans(), label="an earlier prompt"):
             prompt, evicted_then = data.draw(st.sampled_from(self.prompts), label="earlier prompt")
             event("revisit: an earlier prompt again")
             if evicted_then < self.evicted:

@@ -1,4 +1,4 @@
-"""Layer 4 conformance: the scheduler against ``kvspec.spec.scheduler_model``.
+"""Layer 4 conformance: the scheduler against ``kvspec.spec.scheduler``'s model.
 
 Tiny GPU and CPU pools (a few blocks of 1-4 tokens) make preemption the
 common case; requests of one to three samples arrive, are aborted, and the
@@ -37,7 +37,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import admission, block_manager, block_pool, preemption, prefix_cache
-from kvspec.spec import scheduler_model as model
+from kvspec.spec import scheduler as model
 from kvspec.spec.errors import RequestTooLarge
 from kvspec.spec.invariants import invariant_result_matches_spec
 from kvspec.spec.prefix_cache import max_hit_blocks
@@ -52,7 +52,7 @@ from kvspec.spec.scheduler import (
     rank,
 )
 
-SIZES = {"cpu_blocks": st.integers(1, 6), "block_size": st.integers(1, 4)}
+CPU_BLOCKS, BLOCK_SIZES = st.integers(1, 6), st.integers(1, 4)
 GPU_BLOCKS, WATERMARKS = st.integers(3, 8), st.integers(0, 2)
 
 
@@ -60,7 +60,14 @@ class SchedulerMachineBase(LockstepMachine):
     """Builds the scheduler under test and checks every invariant that needs no model."""
 
     uses = frozenset({"block_pool", "block_manager", "scheduler"})
-    judges = ("scheduler", "scheduler_model", "preemption", "admission", "block_manager", "block_pool", "invariants")
+    judges: ClassVar[tuple[str, ...]] = (
+        "scheduler",
+        "preemption",
+        "admission",
+        "block_manager",
+        "block_pool",
+        "invariants",
+    )
 
     preemption: ClassVar[Preemption] = "recompute"
     policy: ClassVar[QueuePolicy] = "fcfs"
@@ -69,7 +76,7 @@ class SchedulerMachineBase(LockstepMachine):
     priorities: ClassVar[st.SearchStrategy[int]] = st.just(0)
     caching: ClassVar[bool] = False  # both devices' managers cache prefixes
 
-    @initialize(**SIZES, gpu_blocks=GPU_BLOCKS, watermark=WATERMARKS)
+    @initialize(cpu_blocks=CPU_BLOCKS, block_size=BLOCK_SIZES, gpu_blocks=GPU_BLOCKS, watermark=WATERMARKS)
     def start(
         self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int, preemption: Preemption | None = None
     ) -> None:
@@ -132,7 +139,7 @@ class SchedulerMachineBase(LockstepMachine):
         self.preemptions.update(how for _, how in report.preempted)
 
     def check_state(self, state: SchedulerState) -> None:
-        self.check_group(model.STATE, state)
+        self.check_group(preemption.STATE, state)
         self.check(admission.invariant_not_ready_never_admitted, state)
         if self.bounded:
             deadlines = {rid: preemption.deadline(after, k, self.longest) for rid, (after, k) in self.arrivals.items()}
@@ -149,7 +156,7 @@ class SchedulerMachineBase(LockstepMachine):
 class SchedulerMachine(SchedulerMachineBase):
     """Lockstep with the model, preempting by recompute."""
 
-    @initialize(**SIZES, gpu_blocks=GPU_BLOCKS, watermark=WATERMARKS)
+    @initialize(cpu_blocks=CPU_BLOCKS, block_size=BLOCK_SIZES, gpu_blocks=GPU_BLOCKS, watermark=WATERMARKS)
     def start(
         self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int, preemption: Preemption | None = None
     ) -> None:
@@ -164,7 +171,7 @@ class SchedulerMachine(SchedulerMachineBase):
         pool = block_pool.new_pool(capacity, "lru", self.conventions.pool)
         if self.caching:
             return prefix_cache.new_caching_manager(self.sizes[2], pool)
-        return block_manager.new_manager(self.sizes[2], pool)
+        return block_manager.new_manager(pool, self.sizes[2])
 
     def call(self, operation: str, argument: Any) -> bool:
         """``operation(argument)`` on both sides; remembers it if the spec refused it."""
@@ -232,7 +239,7 @@ class SchedulerMachine(SchedulerMachineBase):
         unfinished = any(g.request.request_id == earlier.request_id for g in self.scheduler.model.groups)
         event("earlier prompt again, first run unfinished" if unfinished else "earlier prompt again, first run over")
         if self.caching and earlier.request_id in self.admitted:
-            cached = len(model.prefix_hits(self.scheduler.model.gpu, earlier.prompt))
+            cached = len(admission.prefix_hits(self.scheduler.model.gpu, earlier.prompt))
             full = max_hit_blocks(len(earlier.prompt), self.sizes[2])
             if full:
                 event("replayed a prompt after eviction" if cached < full else "replayed a prompt still cached")
@@ -309,14 +316,13 @@ class CachedSchedulerMachine(SchedulerMachine):
     requires = {"scheduler": frozenset({"prefix_caching"})}
 
     @initialize(
-        **SIZES,
+        cpu_blocks=CPU_BLOCKS,
+        block_size=BLOCK_SIZES,
         gpu_blocks=st.integers(4, 10),
         watermark=st.sampled_from([0, 1, 0, 2]),  # vLLM keeps 1 % of the GPU: no block of a pool this small
         swaps=st.booleans(),
     )
-    def start(  # type: ignore[override]
-        self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int, swaps: bool
-    ) -> None:
+    def start(self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int, swaps: bool) -> None:
         swaps = swaps and self.offers("scheduler", "swap_preemption") and self.offers("prefix_caching_manager", "swap")
         super().start(gpu_blocks, cpu_blocks, block_size, watermark, "swap" if swaps else "recompute")
         self.gpu = self.subject("gpu", prefix_cache, self.scheduler.model.gpu, self.scheduler.impl.gpu)
@@ -379,7 +385,10 @@ class DeadlockFreedomMachine(SchedulerMachineBase):
     def step(self, count: int) -> None:
         for _ in range(count):
             before = self.scheduler.impl.snapshot()
-            self.stepped(before, self.scheduler("step").actual)
+            answer = self.scheduler("step")
+            if answer is None:
+                return
+            self.stepped(before, answer.actual)
 
 
 TestSchedulerRecompute = conformance_test(SchedulerMachine)

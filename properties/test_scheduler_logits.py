@@ -52,7 +52,7 @@ class KVBackedManager:
 
     def append(self, seq: SeqId, tokens: Sequence[int]) -> Any:
         plan = self.kv.append(seq, tokens)
-        self.copies += len(plan.copies)
+        self.copies += len(plan.copies) if plan is not None else 0
         return plan
 
     def fork(self, parent: SeqId, child: SeqId) -> None:

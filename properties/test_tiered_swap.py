@@ -1,4 +1,4 @@
-"""Layers 2 and 7 together: partial swap-in from a tier of larger blocks (``kvspec.spec.block_manager``).
+"""Layers 2 and 7 together: partial swap-in from a tier of larger blocks (``kvspec.spec.tiered_swap``).
 
 One device block manager (2-8 blocks of 1-3 tokens) and one node of layer 7's tiered store (1-3 blocks per
 tier) whose blocks hold ``k * B`` tokens, k = 1-3.  Sequences live in a few slots; the machine admits and
@@ -23,7 +23,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import block_manager as model
-from kvspec.spec import block_pool, kv_store
+from kvspec.spec import block_pool, kv_store, tiered_swap
 from kvspec.spec.block_pool import Policy
 from kvspec.spec.invariants import invariant_result_matches_spec
 from kvspec.spec.kv_store import TIERS, Key
@@ -37,7 +37,7 @@ NODE = 0  # the store node the device swaps to
 class TieredSwapMachine(LockstepMachine):
     uses = frozenset({"block_pool", "block_manager", "kv_store"})
     requires = {"block_manager": frozenset({"tiered_swap_in"})}
-    judges = ("block_manager", "kv_store", "block_pool", "invariants")
+    judges = ("tiered_swap", "block_manager", "kv_store", "block_pool", "invariants")
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
@@ -53,7 +53,7 @@ class TieredSwapMachine(LockstepMachine):
         impl = self.implementation
         pool = block_pool.new_pool(blocks, policy, self.conventions.pool)
         manager = impl.component("block_manager")(impl.component("block_pool")(blocks, policy), block_size)
-        self.device = self.subject("device", model, model.new_manager(block_size, pool), manager)
+        self.device = self.subject("device", (model, tiered_swap), model.new_manager(pool, block_size), manager)
         policies: tuple[Policy, ...] = ("lru", "lru", "lru")
         store = impl.component("kv_store")(1, capacities, policies)
         self.store = self.subject("store", kv_store, kv_store.new_store(1, capacities, policies), store)
@@ -177,7 +177,7 @@ class TieredSwapMachine(LockstepMachine):
         cuts = st.integers(min(1, len(table) - 1), len(table) - 1) | st.just(0)
         inside_mostly = st.sampled_from(inside) | st.sampled_from(inside) | cuts if inside else cuts
         keep = data.draw(inside_mostly, label="blocks kept resident")
-        tiers = model.tier_blocks(tokens, self.tier_block_size, keep // self.factor)
+        tiers = tiered_swap.tier_blocks(tokens, self.tier_block_size, keep // self.factor)
         if not all(self.store("put", NODE, key, list(contents)) is not None for key, contents in tiers):
             return
         if self.device("truncate", seq, keep) is not None:
@@ -208,9 +208,9 @@ class TieredSwapMachine(LockstepMachine):
             return
         del self.swapped[seq]
         after = self.device.snapshot()
-        self.check(model.invariant_load_lands_after_resident_prefix, before, after, seq)
+        self.check(tiered_swap.invariant_load_lands_after_resident_prefix, before, after, seq)
         self.check(
-            model.invariant_tier_blocks_cover_loaded_blocks,
+            tiered_swap.invariant_tier_blocks_cover_loaded_blocks,
             answer.actual,
             resident,
             self.device.impl.block_table(seq),
@@ -218,7 +218,7 @@ class TieredSwapMachine(LockstepMachine):
             self.factor,
             self.block_size,
         )
-        self.check(model.invariant_swap_round_trip_exact, seq, tokens, self.device.impl.read(seq))
+        self.check(tiered_swap.invariant_swap_round_trip_exact, seq, tokens, self.device.impl.read(seq))
         self.check(invariant_result_matches_spec, answer.expected, answer.actual)
         edge = " mid tier block" if resident % self.factor else " at a tier block's edge"
         event(f"partial swap-in{edge}" if resident else "swap-in of the whole sequence")

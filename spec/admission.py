@@ -1,7 +1,7 @@
 """Layer 4, the admission phase as engines run it: cache hits, requests not ready, the watermark, queue order.
 
-Rules (the records are ``kvspec.spec.scheduler``'s, the decode phase before
-admission is ``kvspec.spec.preemption``'s):
+Rules (the records, the location table and the model are ``kvspec.spec.scheduler``'s; ``scheduler.step``
+runs this phase after ``kvspec.spec.preemption``'s decode phase):
 
 * After the decode phase, the groups that are not running are taken in rank
   order -- under ``fcfs`` swapped groups resume before new admissions because
@@ -39,8 +39,87 @@ Invariants (tier in brackets):
 
 from __future__ import annotations
 
+import attrs
+
+from kvspec.spec import prefix_cache
 from kvspec.spec.invariants import invariant
-from kvspec.spec.scheduler import DEVICE_OF, Group, Request, SchedulerState, StepReport, group_blocks, rank
+from kvspec.spec.prefix_cache import CachingManager, max_hit_blocks
+from kvspec.spec.scheduler import (
+    DEVICE_OF,
+    Group,
+    Memory,
+    Model,
+    Request,
+    SchedulerState,
+    StepReport,
+    free_blocks,
+    group_blocks,
+    memory,
+    rank,
+    ranking,
+    relocate,
+    tables_of,
+)
+
+
+def admission_phase(model: Model, report: StepReport) -> tuple[Model, StepReport]:
+    """Resume or prefill the groups not running, in rank order, while each fits; stop at the first that does
+    not, and at one preempted in this very step."""
+    just_preempted = {rid for rid, _ in report.preempted}
+    for group in sorted((g for g in model.groups if g.location != "running"), key=ranking(model)):
+        if not group.ready:
+            continue
+        if group.request.request_id in just_preempted:
+            break
+        gpu_idle = not any(g.location == "running" for g in model.groups)
+        need = resume_demand(model, group)
+        if not admissible(need, free_blocks(model.gpu), model.config.watermark, gpu_idle):
+            break
+        model, report = admit(model, group, need, report)
+    return model, report
+
+
+def admit(model: Model, group: Group, need: int, report: StepReport) -> tuple[Model, StepReport]:
+    """Swap a swapped group in; prefill a waiting one: its prompt, forked into its samples, then each sample's
+    sampled tokens again."""
+    rid, request = group.request.request_id, group.request
+    gpu, cpu = model.gpu, model.cpu
+    if group.location == "swapped":
+        cpu, gpu, _ = memory(cpu).move_sequences(cpu, gpu, group.seqs)
+        report = attrs.evolve(report, swapped_in_blocks=report.swapped_in_blocks + need)
+        return relocate(attrs.evolve(model, gpu=gpu, cpu=cpu), group, "swap_in"), admitted(report, rid)
+    gpu, plan = memory(gpu).add_sequence(gpu, group.seqs[0], request.prompt)
+    for seq in group.seqs[1:]:
+        gpu = memory(gpu).fork(gpu, group.seqs[0], seq)
+    for sample, seq in enumerate(group.seqs):
+        gpu, _ = memory(gpu).append(gpu, seq, group.tokens(sample)[len(request.prompt) :])
+    computed = len(request.prompt) - plan.cached_tokens + request.n * group.generated
+    field = "recomputed_tokens" if group.preemptions else "prefill_tokens"
+    report = attrs.evolve(
+        report,
+        cached_tokens=report.cached_tokens + ((rid, plan.cached_tokens),),
+        **{field: getattr(report, field) + computed},
+    )
+    return relocate(attrs.evolve(model, gpu=gpu), group, "prefill"), admitted(report, rid)
+
+
+def admitted(report: StepReport, rid: int) -> StepReport:
+    return attrs.evolve(report, admitted=report.admitted + (rid,))
+
+
+def resume_demand(model: Model, group: Group) -> int:
+    if group.location == "swapped":
+        return len({b for s in group.seqs for b in tables_of(model.cpu).tables[s]})
+    hits = prefix_hits(model.gpu, group.request.prompt)
+    revived = sum(1 for b in hits if tables_of(model.gpu).pool.refcounts[b] == 0)
+    return prefill_demand(group.request, group.generated, tables_of(model.gpu).block_size, len(hits), revived)
+
+
+def prefix_hits(gpu: Memory, prompt: tuple[int, ...]) -> tuple[int, ...]:
+    """The cached blocks a prefill of ``prompt`` would share now; none without a prefix cache."""
+    if not isinstance(gpu, CachingManager):
+        return ()
+    return prefix_cache.cached_prefix(gpu, prompt)[: max_hit_blocks(len(prompt), gpu.manager.block_size)]
 
 
 def prefill_demand(request: Request, generated: int, block_size: int, hits: int, revived: int) -> int:

@@ -23,30 +23,9 @@ Rules (vLLM §4.2-4.4 and §5, lecture §4-5):
   group is kept, and the blocks are released in ``src``.  Moved blocks arrive
   uncached: ``dst``'s prefix cache does not learn them, so a later prompt
   recomputes rather than hits them (swap is for resuming, not for sharing).
-* **Partial residency across block sizes** (vLLM's offloading connector,
-  LMCache, Mooncake: a tier whose blocks hold ``k * B`` tokens).  Tier block
-  ``j`` of a sequence holds its tokens ``j*k*B .. (j+1)*k*B - 1`` -- device
-  blocks ``j*k .. j*k + k - 1`` -- in layer 7's tiered store
-  (``kvspec.spec.kv_store``), under the chained key ``tier_blocks`` gives it.
-  A swap-out is the caller's: it ``put``s the tier blocks from the one that
-  holds device block ``keep`` onwards, then ``truncate(seq, keep)`` keeps the
-  first ``keep`` blocks resident (they are full) and releases the rest, last
-  first.  ``swap_in(store, node, tier_block_size, seq, keys)`` loads the
-  suffix back: with ``r`` blocks resident, ``keys[0]`` names tier block
-  ``r // k``, whose first ``(r mod k) * B`` tokens are the resident ones and
-  are skipped; the rest of it and every later tier block land in fresh
-  blocks after the resident prefix, one device block per ``B`` tokens of a
-  tier block -- all or nothing (``OutOfBlocks``).  It answers the transfer
-  plan: (device block, tier key, token offset in the tier block) per loaded
-  block.  A load is a transfer, not a use: the store does not change.  Keys
-  the node no longer holds (the store evicted them: the caller recomputes),
-  a tier block size that is not a multiple of B, a partial resident block, a
-  tier block shorter than ``k * B`` before the last, or one whose resident
-  part is not the sequence's are ``InvalidOperation``.  Loaded blocks arrive
-  uncached, as moved ones do.  The machine that drives it is
-  ``kvspec.properties.test_tiered_swap``: one device manager and one store
-  node, swap-outs at any block, store pressure, swap-ins, and recomputation
-  of a sequence whose tier blocks were evicted.
+* Partial residency across block sizes -- ``truncate`` a sequence to a
+  resident prefix, load the rest back from a tiered store's larger blocks --
+  is ``kvspec.spec.tiered_swap``'s (the optional operation ``tiered_swap_in``).
 * Ownership: the caller keeps every list it passes (prompts, tokens, groups)
   and may overwrite or reuse it for the next request at once: the manager
   copies what it keeps.  Tables, reads and plans it answers are the caller's.
@@ -69,12 +48,6 @@ the holders of a block being the table entries that name it):
 * ``invariant_parallel_sampling_copies`` [convention] -- n sequences sharing a half-full
   last block make n-1 copies between them, none if the prompt fills whole
   blocks (lecture exercise 4).
-* ``invariant_load_lands_after_resident_prefix`` [safety] -- a partial swap-in
-  leaves the resident blocks and their contents as they were.
-* ``invariant_tier_blocks_cover_loaded_blocks`` [safety] -- each loaded block comes
-  from the tier block that holds it, at its offset, exactly once.
-* ``invariant_swap_round_trip_exact`` [safety] -- swapped out in part and loaded back,
-  a sequence reads what it held.
 * ``invariant_manager_refines_spec`` [convention] -- the implementation is in the model's state.
 """
 
@@ -87,14 +60,13 @@ from typing import Protocol, Self, runtime_checkable
 
 import attrs
 
-from kvspec.spec import block_pool, kv_store
+from kvspec.spec import block_pool
 from kvspec.spec.block_pool import Pool, PoolState
-from kvspec.spec.components import component_kind
+from kvspec.spec.components import component_kind, methods_of
 from kvspec.spec.errors import InvalidOperation
-from kvspec.spec.invariants import Group, diff_states, invariant
+from kvspec.spec.invariants import Group, invariant, refinement
 
 SeqId = Hashable
-TierLoad = tuple[tuple[int, kv_store.Key, int], ...]  # (device block, tier key, token offset in it) per loaded block
 
 
 @attrs.frozen
@@ -139,33 +111,18 @@ class BlockManager(Protocol):
     def sequences(self) -> tuple[SeqId, ...]: ...
     # Swap moves between two managers of one implementation (a GPU's and a CPU's), hence ``Self``:
     def move_sequences(self, dst: Self, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]: ...
-    # Partial residency: keep a prefix, load the suffix back from a tiered store's larger blocks:
-    def truncate(self, seq: SeqId, blocks: int) -> None: ...
-    def swap_in(
-        self, store: kv_store.KVStore, node: int, tier_block_size: int, seq: SeqId, keys: Sequence[kv_store.Key]
-    ) -> TierLoad: ...
     def snapshot(self) -> ManagerState: ...
 
 
 # -- the model -------------------------------------------------------------------
 
 
-MANAGER_METHODS = (
-    "block_size",
-    "pool",
-    "add_sequence",
-    "append",
-    "free",
-    "read",
-    "block_table",
-    "sequences",
-    "snapshot",
-)
 MANAGER_OPERATIONS = {
     "fork": ("fork",),  # share every block of a sequence with a new one (parallel sampling, beam search)
     "swap": ("move_sequences",),  # move sequence groups between two managers' pools (swap out / in)
-    "tiered_swap_in": ("truncate", "swap_in"),  # load a sequence's tail back from a tier of larger blocks
+    "tiered_swap_in": ("truncate", "swap_in"),  # load a tail back from a tier of larger blocks (spec.tiered_swap)
 }
+MANAGER_METHODS = methods_of(BlockManager, MANAGER_OPERATIONS)
 BLOCK_MANAGER = component_kind(
     "block_manager", builds="block_manager(pool, block_size)", methods=MANAGER_METHODS, optional=MANAGER_OPERATIONS
 )
@@ -205,7 +162,7 @@ def check_tokens(tokens: object, *, allow_empty: bool) -> tuple[int, ...]:
     return tuple(int(t) for t in tokens)
 
 
-def new_manager(block_size: int, pool: Pool) -> Manager:
+def new_manager(pool: Pool, block_size: int) -> Manager:
     return Manager(block_size=check_block_size(block_size), pool=pool, tables={}, tokens={}, contents={})
 
 
@@ -371,93 +328,6 @@ def move_sequences(
     return src, dst, tuple(mapping.items())
 
 
-def tier_blocks(
-    tokens: Sequence[int], tier_block_size: int, first: int = 0
-) -> tuple[tuple[kv_store.Key, kv_store.Tokens], ...]:
-    """Tier blocks ``first`` onwards of a sequence's tokens, each under its chained key: the prefix to its end."""
-    starts = range(first * tier_block_size, len(tokens), tier_block_size)
-    return tuple(
-        (("tier", tuple(tokens[: s + tier_block_size])), tuple(tokens[s : s + tier_block_size])) for s in starts
-    )
-
-
-def truncate(manager: Manager, seq: SeqId, blocks: int) -> Manager:
-    """Keep the first ``blocks`` blocks of the sequence resident, with their tokens; release the rest, last first."""
-    require_live(manager, seq)
-    table = manager.tables[seq]
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or not 0 <= blocks <= len(table):
-        raise InvalidOperation(f"sequence {seq!r} has {len(table)} blocks: it cannot keep {blocks!r}")
-    return attrs.evolve(
-        manager,
-        pool=block_pool.release(manager.pool, table[blocks:][::-1]),
-        tables={**manager.tables, seq: table[:blocks]},
-        tokens={**manager.tokens, seq: manager.tokens[seq][: blocks * manager.block_size]},
-    )
-
-
-def tier_factor(tier_block_size: object, block_size: int) -> int:
-    """How many device blocks one tier block holds; the tier's block size must be a multiple of B."""
-    if not isinstance(tier_block_size, int) or isinstance(tier_block_size, bool) or tier_block_size < 1:
-        raise InvalidOperation(f"a tier block size is a positive int, got {tier_block_size!r}")
-    if tier_block_size % block_size:
-        raise InvalidOperation(f"tier blocks of {tier_block_size} tokens do not hold whole blocks of {block_size}")
-    return tier_block_size // block_size
-
-
-def tier_contents(store: kv_store.StoreState, node: object, keys: Sequence[kv_store.Key]) -> list[kv_store.Tokens]:
-    """What each tier block holds on ``node``; a node that is down or a block it lost is refused."""
-    if not isinstance(node, int) or isinstance(node, bool) or not 0 <= node < len(store.alive) or not store.alive[node]:
-        raise InvalidOperation(f"node {node!r} is not a live node of the store")
-    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence) or not keys:
-        raise InvalidOperation(f"a load names one or more tier blocks, got {keys!r}")
-    lost = [key for key in keys if (node, key) not in store.contents]
-    if lost:
-        raise InvalidOperation(f"node {node} no longer holds tier block(s) {lost!r}: recompute the sequence")
-    return [store.contents[(node, key)] for key in keys]
-
-
-def require_continuation(
-    seq: SeqId, tokens: Sequence[int], block_size: int, tier_block_size: int, contents: Sequence[kv_store.Tokens]
-) -> int:
-    """The tier blocks must continue the resident blocks, all full; answers the first one's resident tokens."""
-    if len(tokens) % block_size:
-        raise InvalidOperation(f"sequence {seq!r} ends in a partial block: it has no suffix to load")
-    skip = len(tokens) % tier_block_size
-    if (
-        len(contents[0]) <= skip
-        or tuple(contents[0][:skip]) != tuple(tokens[len(tokens) - skip :])
-        or any(len(tier) != tier_block_size for tier in contents[:-1])
-    ):
-        raise InvalidOperation(f"the tier blocks do not continue the resident blocks of {seq!r}")
-    return skip
-
-
-def swap_in(
-    manager: Manager, store: kv_store.Store, node: int, tier_block_size: int, seq: SeqId, keys: Sequence[kv_store.Key]
-) -> tuple[Manager, kv_store.Store, TierLoad]:
-    """Load the suffix of ``seq`` from the tier blocks ``keys`` into fresh blocks after its resident prefix."""
-    require_live(manager, seq)
-    size, tokens = manager.block_size, manager.tokens[seq]
-    tier_factor(tier_block_size, size)
-    contents = tier_contents(kv_store.abstract(store), node, keys)
-    skip = require_continuation(seq, tokens, size, tier_block_size, contents)
-    slices = [
-        (key, offset, tier[offset : offset + size])
-        for index, (key, tier) in enumerate(zip(keys, contents, strict=True))
-        for offset in range(skip if index == 0 else 0, len(tier), size)
-    ]
-    pool, fresh = block_pool.allocate(manager.pool, len(slices))
-    loaded = dict(zip(fresh, (part for _, _, part in slices), strict=True))
-    manager = attrs.evolve(
-        manager,
-        pool=pool,
-        tables={**manager.tables, seq: manager.tables[seq] + tuple(fresh)},
-        tokens={**manager.tokens, seq: tokens + tuple(t for part in loaded.values() for t in part)},
-        contents={**manager.contents, **loaded},
-    )
-    return manager, store, tuple((block, key, offset) for block, (key, offset, _) in zip(fresh, slices, strict=True))
-
-
 # -- invariants over snapshots ---------------------------------------------------
 
 
@@ -536,62 +406,7 @@ def invariant_parallel_sampling_copies(n: int, prompt_len: int, block_size: int,
     return None
 
 
-@invariant(
-    "a partial swap-in writes only after the resident prefix: a load over it overwrites KV the device still serves",
-    "safety",
-    needs=("block_manager.tiered_swap_in",),
-)
-def invariant_load_lands_after_resident_prefix(before: ManagerState, after: ManagerState, seq: SeqId) -> str | None:
-    resident = before.tables[seq]
-    now = after.tables.get(seq, ())[: len(resident)]
-    if now != resident:
-        return f"sequence {seq!r}'s resident blocks {resident} became {now}"
-    overwritten = [block for block in resident if after.contents.get(block) != before.contents[block]]
-    if overwritten:
-        return f"the load wrote into resident block(s) {overwritten} of sequence {seq!r}"
-    return None
-
-
-@invariant(
-    "a device block is one B-token slice of the one tier block that holds it: any other slice is other tokens' KV",
-    "safety",
-    needs=("block_manager.tiered_swap_in",),
-)
-def invariant_tier_blocks_cover_loaded_blocks(
-    plan: TierLoad, resident: int, table: Sequence[int], keys: Sequence[kv_store.Key], factor: int, block_size: int
-) -> str | None:
-    filled = [block for block, _, _ in plan]
-    if filled != list(table[resident:]):
-        return f"the load filled blocks {filled}; after the {resident} resident ones the table has {list(table[resident:])}"
-    for index, (block, key, offset) in enumerate(plan, start=resident):
-        tier = index // factor - resident // factor
-        expected = (keys[tier] if tier < len(keys) else None, index % factor * block_size)
-        if (key, offset) != expected:
-            return f"device block {index} ({block}) came from {key!r} at token {offset}; it is {expected[0]!r} at {expected[1]}"
-    if {key for _, key, _ in plan} != set(keys):
-        return f"the load read tier blocks {sorted(repr(key) for key in {k for _, k, _ in plan})} of {list(keys)!r}"
-    return None
-
-
-@invariant(
-    "a sequence swapped out in part and loaded back must read what it held, or it decodes from other tokens' KV",
-    "safety",
-    needs=("block_manager.tiered_swap_in",),
-)
-def invariant_swap_round_trip_exact(seq: SeqId, held: Sequence[int], read: Sequence[int]) -> str | None:
-    if tuple(held) != tuple(read):
-        return f"sequence {seq!r} held {tuple(held)} and reads back {tuple(read)} after its swap-in"
-    return None
-
-
-@invariant(
-    "the implementation must be in exactly the state the model of its declared conventions predicts",
-    "convention",
-)
-def invariant_manager_refines_spec(actual: ManagerState, expected: ManagerState) -> str | None:
-    if actual != expected:
-        return diff_states(actual, expected)
-    return None
+invariant_manager_refines_spec = refinement("invariant_manager_refines_spec")
 
 
 STATE = Group((invariant_read_back_exact, invariant_waste_bounded, invariant_table_length_exact)).including(

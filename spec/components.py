@@ -71,6 +71,12 @@ def component_kind(
     return KINDS[name]
 
 
+def methods_of(protocol: type, optional: Mapping[str, Iterable[str]] | None = None) -> tuple[str, ...]:
+    """A protocol's public methods and properties, in order, less those only its ``optional`` operations need."""
+    only_optional = {method for needs in (optional or {}).values() for method in needs}
+    return tuple(name for name in vars(protocol) if not name.startswith("_") and name not in only_optional)
+
+
 def every_operation(kind: str) -> frozenset[str]:
     """Every optional operation of ``kind``: what the reference offers."""
     return frozenset(KINDS[kind].optional)

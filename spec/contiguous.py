@@ -76,7 +76,7 @@ import attrs
 
 from kvspec.spec.components import component_kind
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks, RequestTooLarge
-from kvspec.spec.invariants import Group, diff_states, invariant
+from kvspec.spec.invariants import Group, diff_states, invariant, refinement
 
 Placement = Literal["buddy", "first-fit"]
 PLACEMENTS: tuple[Placement, ...] = ("buddy", "first-fit")
@@ -364,11 +364,7 @@ def invariant_ledger_exact(reported: Ledger, state: ArenaState, final_lengths: M
     return None
 
 
-@invariant("the implementation must be in exactly the state the specification model predicts", "convention")
-def invariant_arena_refines_spec(actual: ArenaState, expected: ArenaState) -> str | None:
-    if actual != expected:
-        return diff_states(actual, expected)
-    return None
+invariant_arena_refines_spec = refinement("invariant_arena_refines_spec")
 
 
 ARENA = Group(

@@ -56,7 +56,15 @@ from kvspec.spec import (  # noqa: F401  (each declares its component kind on im
 from kvspec.spec.block_manager import BlockManager
 from kvspec.spec.block_pool import BlockPool, Policy
 from kvspec.spec.components import KINDS, DeclarationError, Offer, as_offer, check_offer
+from kvspec.spec.contiguous import ContiguousAllocator, Placement
 from kvspec.spec.conventions import Conventions
+from kvspec.spec.kv_store import KVStore
+from kvspec.spec.paged_attention import KVShape, PagedKVCache, SequenceCache
+from kvspec.spec.prefix_cache import PrefixCachingManager
+from kvspec.spec.radix_cache import RadixCache
+from kvspec.spec.radix_pages import RadixPageManager
+from kvspec.spec.scheduler import Scheduler, SchedulerConfig
+from kvspec.spec.sliding_window import WindowManager
 
 AnyOffer = Offer[..., Any]
 
@@ -67,24 +75,32 @@ def as_extensions(value: Mapping[str, object]) -> Mapping[str, AnyOffer]:
 
 @attrs.frozen
 class Implementation:
-    """Everything an implementation offers; a component left ``None`` is borrowed from the reference."""
+    """Everything an implementation offers; a component left ``None`` is borrowed from the reference.
+
+    Each component's type is the offer a complete record holds -- its factory's call and the protocol it
+    builds -- which is what a machine sees: machines run only records completed from the reference.
+    """
 
     name: str
-    block_pool: Offer[[int, Policy], BlockPool] | None = attrs.field(default=None, converter=as_offer)
+    block_pool: Offer[[int, Policy], BlockPool] = attrs.field(default=None, converter=as_offer)
     conventions: Conventions = Conventions()  # see spec.conventions: the engine's legitimate choices
-    block_manager: Offer[[BlockPool, int], BlockManager] | None = attrs.field(default=None, converter=as_offer)
-    prefix_caching_manager: AnyOffer | None = attrs.field(default=None, converter=as_offer)
-    radix_cache: AnyOffer | None = attrs.field(default=None, converter=as_offer)
-    scheduler: AnyOffer | None = attrs.field(default=None, converter=as_offer)
-    paged_kv_cache: AnyOffer | None = attrs.field(default=None, converter=as_offer)
-    # Layer 5's yardstick and kernels (see spec.paged_attention); a user normally leaves them to the reference:
-    tiny_model: AnyOffer | None = attrs.field(default=None, converter=as_offer)
-    contiguous_kv_cache: AnyOffer | None = attrs.field(default=None, converter=as_offer)
-    decode_attention: AnyOffer | None = attrs.field(default=None, converter=as_offer)
-    contiguous_allocator: AnyOffer | None = attrs.field(default=None, converter=as_offer)
-    kv_store: AnyOffer | None = attrs.field(default=None, converter=as_offer)
-    sliding_window_manager: AnyOffer | None = attrs.field(default=None, converter=as_offer)
-    radix_page_manager: AnyOffer | None = attrs.field(default=None, converter=as_offer)
+    block_manager: Offer[[BlockPool, int], BlockManager] = attrs.field(default=None, converter=as_offer)
+    # prefix_caching_manager(pool, block_size, commit="on_fill"):
+    prefix_caching_manager: Offer[..., PrefixCachingManager] = attrs.field(default=None, converter=as_offer)
+    radix_cache: Offer[[], RadixCache] = attrs.field(default=None, converter=as_offer)
+    scheduler: Offer[[BlockManager, BlockManager, SchedulerConfig], Scheduler] = attrs.field(
+        default=None, converter=as_offer
+    )
+    paged_kv_cache: Offer[[BlockManager, KVShape], PagedKVCache] = attrs.field(default=None, converter=as_offer)
+    # Layer 5's yardstick and kernels (see spec.paged_attention); a user normally leaves them to the reference.
+    # tiny_model(**sizes) builds a model with ``config`` and ``forward``; decode_attention is a kernel function:
+    tiny_model: AnyOffer = attrs.field(default=None, converter=as_offer)
+    contiguous_kv_cache: Offer[[KVShape], SequenceCache] = attrs.field(default=None, converter=as_offer)
+    decode_attention: AnyOffer = attrs.field(default=None, converter=as_offer)
+    contiguous_allocator: Offer[[int, Placement], ContiguousAllocator] = attrs.field(default=None, converter=as_offer)
+    kv_store: Offer[..., KVStore] = attrs.field(default=None, converter=as_offer)  # (nodes, capacities, policies)
+    sliding_window_manager: Offer[[BlockPool, int, int], WindowManager] = attrs.field(default=None, converter=as_offer)
+    radix_page_manager: Offer[[int, int], RadixPageManager] = attrs.field(default=None, converter=as_offer)
     extensions: Mapping[str, AnyOffer] = attrs.field(factory=dict, converter=as_extensions)  # third parties' layers
 
     borrowed: frozenset[str] = frozenset()  # the components complete_with took from the reference

@@ -43,6 +43,7 @@ Rules:
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -168,6 +169,23 @@ def require(rule: Invariant, *args: Any) -> None:
     problem = rule(*args)
     if problem is not None:
         raise InvariantViolation(rule, problem)
+
+
+REFINEMENT = "the implementation must be in exactly the state the model of its declared conventions predicts"
+
+
+def refinement(name: str, view: Callable[[Any], Any] | None = None) -> Invariant:
+    """Declare the calling layer's refinement rule [convention], called as ``(actual, expected)``: the
+    implementation's abstract state is the model's -- both seen through ``view``, if given.  The one rule every
+    layer shares but its name and what it compares, so each layer names it in one line."""
+
+    def refines(actual: object, expected: object) -> str | None:
+        seen, predicted = (actual, expected) if view is None else (view(actual), view(expected))
+        return None if seen == predicted else diff_states(seen, predicted)
+
+    refines.__name__ = refines.__qualname__ = name
+    refines.__module__ = sys._getframe(1).f_globals["__name__"]  # the layer is the declaring module
+    return invariant(REFINEMENT, "convention")(refines)
 
 
 @invariant(

@@ -151,7 +151,12 @@ class SequenceStore(Protocol):
 
 
 @runtime_checkable
-class PagedKVCache(KVCache, SequenceStore, Protocol):
+class SequenceCache(KVCache, SequenceStore, Protocol):
+    """A cache whose sequences come and go: the contiguous yardstick (``contiguous_kv_cache(shape)``)."""
+
+
+@runtime_checkable
+class PagedKVCache(SequenceCache, Protocol):
     """KV in physical blocks, driven by a block manager whose tables it reads."""
 
     @property

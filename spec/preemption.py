@@ -1,6 +1,7 @@
 """Layer 4, the decode phase: grants, victims, swap or recompute, and deadlock freedom.
 
-Rules (vLLM §4.5, lecture §6; the records are ``kvspec.spec.scheduler``'s):
+Rules (vLLM §4.5, lecture §6; the records, the location table and the model are
+``kvspec.spec.scheduler``'s, and ``scheduler.step`` runs this phase first):
 
 * Each step first *grants* every running group one token per sample, in
   arrival order, while the blocks the grants take (``append_demand``, added
@@ -54,9 +55,95 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import attrs
+
+from kvspec.spec import block_manager
 from kvspec.spec.block_manager import holders, read_through_table
+from kvspec.spec.invariants import Group as InvariantGroup
 from kvspec.spec.invariants import invariant
-from kvspec.spec.scheduler import DEVICE_OF, RequestId, SchedulerState, StepReport, devices, rank
+from kvspec.spec.scheduler import (
+    DEVICE_OF,
+    Group,
+    Memory,
+    Model,
+    Preemption,
+    RequestId,
+    SchedulerState,
+    StepReport,
+    devices,
+    find,
+    free_blocks,
+    invariant_memory_never_overcommitted,
+    memory,
+    rank,
+    ranking,
+    release,
+    relocate,
+    replace,
+    sampled_token,
+    tables_of,
+)
+
+
+def decode_phase(model: Model) -> tuple[Model, StepReport]:
+    """Grant each running group its tokens (preempting as needed), then let every granted group decode."""
+    model, granted, report = grant_decodes(model, StepReport())
+    for group in granted:
+        model, report = decode(model, group, report)
+    return model, report
+
+
+def grant_decodes(model: Model, report: StepReport) -> tuple[Model, list[Group], StepReport]:
+    """Grant each running group its tokens in arrival order, preempting the lowest-ranked while one does not fit."""
+    granted: dict[RequestId, tuple[Group, int]] = {}  # request -> (group, the blocks its grant takes)
+    for group in [g for g in model.groups if g.location == "running"]:
+        if find(model, group.request.request_id).location != "running":
+            continue  # preempted for a group before it
+        demand = decode_demand(model.gpu, group)
+        while sum(d for _, d in granted.values()) + demand > free_blocks(model.gpu):
+            victim = max((g for g in model.groups if g.location == "running"), key=ranking(model))
+            model, how = preempt(model, victim)
+            granted.pop(victim.request.request_id, None)  # a preempted group decodes nothing
+            report = attrs.evolve(report, preempted=report.preempted + ((victim.request.request_id, how),))
+            if how == "swap":
+                swapped = len({b for s in victim.seqs for b in tables_of(model.cpu).tables[s]})
+                report = attrs.evolve(report, swapped_out_blocks=report.swapped_out_blocks + swapped)
+            if victim.request.request_id == group.request.request_id:
+                break
+        else:
+            granted[group.request.request_id] = (group, demand)
+    grants = tuple((rid, group.request.n) for rid, (group, _) in granted.items())
+    return model, [group for group, _ in granted.values()], attrs.evolve(report, granted=grants)
+
+
+def preempt(model: Model, victim: Group) -> tuple[Model, Preemption]:
+    """Swap the victim out if the mode says so and the CPU has room for it; else drop it for recompute."""
+    distinct = len({b for s in victim.seqs for b in tables_of(model.gpu).tables[s]})
+    bumped = attrs.evolve(victim, preemptions=victim.preemptions + 1)
+    if model.config.preemption == "swap" and distinct <= free_blocks(model.cpu):
+        gpu, cpu, _ = memory(model.gpu).move_sequences(model.gpu, model.cpu, victim.seqs)
+        return relocate(attrs.evolve(model, gpu=gpu, cpu=cpu), bumped, "swap_out"), "swap"
+    return relocate(release(model, victim), bumped, "recompute"), "recompute"
+
+
+def decode(model: Model, group: Group, report: StepReport) -> tuple[Model, StepReport]:
+    """One token per sample; a group that reaches ``max_new_tokens`` finishes and frees its blocks."""
+    gpu, rid = model.gpu, group.request.request_id
+    for sample, seq in enumerate(group.seqs):
+        gpu, _ = memory(gpu).append(gpu, seq, (sampled_token(rid, sample, group.generated),))
+    grown = attrs.evolve(group, generated=group.generated + 1)
+    model = replace(attrs.evolve(model, gpu=gpu), grown)
+    report = attrs.evolve(report, decode_tokens=report.decode_tokens + group.request.n)
+    if grown.generated < grown.request.max_new_tokens:
+        return model, report
+    return relocate(release(model, grown), grown, "finish"), attrs.evolve(report, finished=report.finished + (rid,))
+
+
+def decode_demand(gpu: Memory, group: Group) -> int:
+    manager = tables_of(gpu)
+    refcount = dict(enumerate(manager.pool.refcounts))
+    tables = [manager.tables[s] for s in group.seqs]
+    return append_demand(tables, [len(manager.tokens[s]) for s in group.seqs], refcount, manager.block_size)
 
 
 def append_demand(
@@ -194,3 +281,20 @@ def invariant_victims_rank_below_survivors(before: SchedulerState, report: StepR
         if above:
             return f"preempted request {victim!r} (rank {ranks[victim]}) and kept {above[0]!r} (rank {ranks[above[0]]})"
     return None
+
+
+STATE = (
+    InvariantGroup(
+        (
+            invariant_memory_never_overcommitted,
+            invariant_no_leak_across_preemption,
+            invariant_group_on_one_device,
+            invariant_swap_restores_contents,
+            invariant_recompute_restores_tokens,
+        )
+    )
+    .including(block_manager.STATE, lambda state: (state.gpu,))
+    .including(block_manager.STATE, lambda state: (state.cpu,))
+)
+"""Every safety rule over a scheduler's snapshot, both devices' managers included (the deadline apart: it holds
+only under ``fcfs`` with every request ready)."""

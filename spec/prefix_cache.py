@@ -113,9 +113,10 @@ def max_hit_blocks(prompt_length: int, block_size: int) -> int:
 
 @runtime_checkable
 class PrefixCachingManager(block_manager.BlockManager, Protocol):
-    """A block manager with a prefix cache.  ``add_sequence`` takes an ``extra_key``; the factory,
-    ``prefix_caching_manager(pool, block_size, commit="on_fill")``, the commit point."""
+    """A block manager with a prefix cache; the factory, ``prefix_caching_manager(pool, block_size,
+    commit="on_fill")``, takes the commit point."""
 
+    def add_sequence(self, seq: SeqId, prompt: Sequence[int], extra_key: ExtraKey = None) -> WritePlan: ...
     def block_hashes(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[Hashable, ...]: ...
     def cached_prefix(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]: ...
     def evict(self, n: int) -> list[int]: ...
@@ -149,7 +150,7 @@ class CachingManager:
 def new_caching_manager(block_size: int, pool: Pool, commit: Commit = "on_fill") -> CachingManager:
     if commit not in COMMITS:
         raise InvalidOperation(f"unknown commit point {commit!r}; choose from {COMMITS}")
-    return CachingManager(manager=block_manager.new_manager(block_size, pool), extra_keys={}, commit=commit)
+    return CachingManager(manager=block_manager.new_manager(pool, block_size), extra_keys={}, commit=commit)
 
 
 def cached_prefix(cm: CachingManager, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""Layer 3, second form -- the radix cache (SGLang's RadixAttention).
+"""Layer 3, second form -- the radix cache (SGLang's RadixAttention), under the reference's conventions.
 
 Rules (lecture §8.1; SGLang ``RadixCache``):
 
@@ -13,9 +13,9 @@ Rules (lecture §8.1; SGLang ``RadixCache``):
   the answer is how many leading tokens were already there.  The path is
   marked as used, and then the new tokens: they are newer than the path.
 * ``lock(key)`` / ``unlock(key)`` -- SGLang's ``inc_lock_ref`` /
-  ``dec_lock_ref`` on the node ending ``key`` -- protect a fully cached path
-  while a request reads it.  Locks are counted per key; unlocking a key that
-  holds no lock is an ``InvalidOperation``.
+  ``dec_lock_ref`` -- protect a fully cached path while a request reads it.
+  Locks are counted per key; unlocking a key that holds no lock is an
+  ``InvalidOperation``.
 * ``evict(num_tokens)`` removes exactly ``min(num_tokens, evictable)`` tokens,
   one at a time, always an unprotected *leaf* (a token no cached token
   extends), the least recently used first.  It answers the evicted values in
@@ -36,36 +36,18 @@ Rules (lecture §8.1; SGLang ``RadixCache``):
   uncached key or a partial page, an extra key where none is declared) raise
   ``InvalidOperation`` and change nothing.
 
-Conventions (``spec.conventions.RadixConventions``; the reference's first).
-They speak of *nodes*: a compressed tree's runs of tokens.  A node ends
-where an insert's new tokens end, and is split where a match, insert or lock
-ends inside it (so a branch point always ends a node); eviction never merges.
-
-* ``eviction_granularity`` -- ``exact_tokens`` as above; ``whole_leaves``
-  evicts whole unprotected leaf nodes, least recently used first, each from
-  its deepest token up, until at least ``min(num_tokens, evictable)`` tokens
-  are gone (SGLang).
-* ``recency`` -- ``per_token`` marks exactly the tokens matched or inserted;
-  ``per_node`` marks every node the walk visits, whole, before splitting it
-  (SGLang stamps a node and then splits it, so a partial match also marks
-  the node's unmatched tail), and a split -- by a lock too -- marks the upper
-  part it cuts off after that (SGLang's ``_split_node`` creates a new
-  ``TreeNode``, stamped when created).
-* ``lock_by`` -- ``key`` as above; ``handle`` locks (unlocks) the node a match
-  of the key ends at -- the longest cached prefix of the key, with no mark of
-  use -- and a key with no cached prefix names the root, where lock and
-  unlock do nothing (SGLang's ``inc_lock_ref`` / ``dec_lock_ref`` on the node
-  ``match_prefix`` returned).  Unlocking a node that holds no lock is still
-  an ``InvalidOperation``.
-* ``page_size`` -- tokens per page, as above (reference: 1).
-* ``extra_key_namespaces`` -- whether the cache takes extra keys (reference:
-  yes).  Without, an extra key is an ``InvalidOperation``.
+Conventions (``spec.conventions.RadixConventions``).  This module is the
+reference's: exact eviction, recency per token, locks by key.  The page size
+and extra-key namespaces are modelled here for every engine.  SGLang's other
+choices -- whole-leaf eviction, recency per node, locks on node handles --
+are marked replacements of the functions they change, in
+``kvspec.spec.radix_conventions``, which models any declared conventions.
 
 Theory of operation: ``Radix`` is a token-level trie in a dict keyed by
 prefix, with a logical clock that advances at each mark; a real
-implementation compresses runs of tokens into nodes (and splits them when a match, insert or lock ends inside
-one).  ``abstract`` forgets the clock: implementations are compared through
-``RadixState`` and through the order of what they evict.
+implementation compresses runs of tokens into nodes.  ``abstract`` forgets
+the clock: implementations are compared through ``RadixState`` and through
+the order of what they evict.
 
 Invariants (tier in brackets):
 
@@ -88,8 +70,8 @@ Invariants (tier in brackets):
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Protocol, TypeVar, runtime_checkable
 
 import attrs
 
@@ -97,7 +79,7 @@ from kvspec.spec.block_manager import check_tokens
 from kvspec.spec.components import component_kind
 from kvspec.spec.conventions import REFERENCE, RadixConventions
 from kvspec.spec.errors import InvalidOperation
-from kvspec.spec.invariants import Group, diff_states, invariant
+from kvspec.spec.invariants import Group, invariant, refinement
 from kvspec.spec.prefix_cache import ExtraKey, check_extra_key
 
 Key = tuple[Hashable, ...]  # a cached prefix: its tokens, each named as ``name_tokens`` says
@@ -130,36 +112,28 @@ class RadixCache(Protocol):
     def snapshot(self) -> RadixState: ...
 
 
-# -- the model -------------------------------------------------------------------
-
-
 RADIX_CACHE = component_kind(
     "radix_cache",
     builds="radix_cache()",
-    methods=(
-        "match_prefix",
-        "insert",
-        "lock",
-        "unlock",
-        "evict",
-        "total_size",
-        "evictable_size",
-        "protected_size",
-        "snapshot",
-    ),
+    methods=tuple(name for name in vars(RadixCache) if not name.startswith("_")),
 )
+
+
+# -- the model -------------------------------------------------------------------
 
 
 @attrs.frozen
 class Radix:
-    """Token-level trie: prefix -> (value, last use); where nodes end; locks per key; a logical clock."""
+    """Token-level trie: prefix -> (value, last use); locks per key; a logical clock."""
 
     values: Mapping[Key, int]
     last_use: Mapping[Key, int]
     locks: Mapping[Key, int]
     clock: int
-    node_ends: frozenset[Key] = frozenset()
     conventions: RadixConventions = REFERENCE.radix
+
+
+RadixT = TypeVar("RadixT", bound=Radix)  # the chapter's transitions keep the record of spec.radix_conventions
 
 
 def new_radix(conventions: RadixConventions = REFERENCE.radix) -> Radix:
@@ -188,7 +162,7 @@ def name_tokens(tokens: Sequence[int], page_size: int = 1, extra_key: ExtraKey =
     return tuple(named)
 
 
-def _key(radix: Radix, key: object, extra_key: object, *, cut: bool) -> Key:
+def key_of(radix: Radix, key: object, extra_key: object, *, cut: bool) -> Key:
     """``key`` named (``name_tokens``); ``cut``: its partial last page dropped, else a partial page is refused."""
     tokens = check_tokens(key, allow_empty=True)
     extra_key = check_extra_key(extra_key)
@@ -200,95 +174,67 @@ def _key(radix: Radix, key: object, extra_key: object, *, cut: bool) -> Key:
     return name_tokens(tokens[: len(tokens) - len(tokens) % page_size], page_size, extra_key)
 
 
-def _longest_cached(radix: Radix, key: Key) -> int:
+def cached_length(radix: Radix, key: Key) -> int:
+    """How many leading tokens of ``key`` are cached."""
     length = 0
     while length < len(key) and key[: length + 1] in radix.values:
         length += 1
     return length
 
 
-def _node_of(radix: Radix, prefix: Key) -> tuple[Key, ...]:
-    """The cached prefixes in the node that holds ``prefix``, shallowest first."""
-    start = max((i for i in range(len(prefix)) if prefix[:i] in radix.node_ends), default=0)
-    node = [prefix[:i] for i in range(start + 1, len(prefix) + 1)]
-    while node[-1] not in radix.node_ends:
-        node.append(next(key for key in radix.values if len(key) == len(node[-1]) + 1 and key[:-1] == node[-1]))
-    return tuple(node)
-
-
-def _split_at(radix: Radix, prefix: Key) -> Radix:
-    """A node ends at ``prefix``, a cached prefix or the root: one that ends inside a node splits it, and
-    by per-node recency the upper part, a new node, is marked as just used."""
-    if not prefix or prefix in radix.node_ends:
-        return radix
-    ends = radix.node_ends | {prefix}
-    if radix.conventions.recency == "per_token":
-        return attrs.evolve(radix, node_ends=ends)
-    upper = [key for key in _node_of(radix, prefix) if len(key) <= len(prefix)]
+def mark(radix: RadixT, used: Iterable[Key]) -> RadixT:
+    """Mark the cached prefixes ``used`` as just used: one tick of the clock for all of them."""
     clock = radix.clock + 1
-    return attrs.evolve(radix, node_ends=ends, last_use={**radix.last_use, **dict.fromkeys(upper, clock)}, clock=clock)
+    return attrs.evolve(radix, last_use={**radix.last_use, **dict.fromkeys(used, clock)}, clock=clock)
 
 
-def _touch(radix: Radix, key: Key, length: int) -> Radix:
-    """Mark the walk along ``key[:length]`` as just used, per the recency convention; then split at its end."""
-    clock = radix.clock + 1
-    walked = [key[: i + 1] for i in range(length)]
-    if radix.conventions.recency == "per_node":
-        walked = [p for prefix in walked for p in _node_of(radix, prefix)]
-    radix = attrs.evolve(radix, last_use={**radix.last_use, **dict.fromkeys(walked, clock)}, clock=clock)
-    return _split_at(radix, key[:length])
+def path(key: Key, length: int) -> list[Key]:
+    """The prefixes of ``key`` up to ``length`` tokens, shallowest first: the tokens of a walk."""
+    return [key[: i + 1] for i in range(length)]
 
 
 def match_prefix(radix: Radix, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[Radix, tuple[int, ...]]:
-    named = _key(radix, key, extra_key, cut=True)
-    length = _longest_cached(radix, named)
-    values = tuple(radix.values[named[: i + 1]] for i in range(length))
-    return _touch(radix, named, length), values
+    named = key_of(radix, key, extra_key, cut=True)
+    walked = path(named, cached_length(radix, named))
+    return mark(radix, walked), tuple(radix.values[prefix] for prefix in walked)
+
+
+def checked_insert(
+    radix: Radix, key: Sequence[int], values: Sequence[int], extra_key: ExtraKey
+) -> tuple[Key, tuple[int, ...]]:
+    """An insert's key, named, and its values; values that do not match the key are refused."""
+    tokens, stored = check_tokens(key, allow_empty=True), check_tokens(values, allow_empty=True)
+    if len(stored) != len(tokens):
+        raise InvalidOperation(f"{len(stored)} values for a key of {len(tokens)} tokens")
+    return key_of(radix, tokens, extra_key, cut=True), stored
+
+
+def add(radix: RadixT, named: Key, values: Sequence[int], present: int) -> RadixT:
+    """Cache ``named`` past its ``present`` cached tokens, newer than the walk that found them."""
+    added = {named[: i + 1]: values[i] for i in range(present, len(named))}
+    return mark(attrs.evolve(radix, values={**radix.values, **added}), added)
 
 
 def insert(radix: Radix, key: Sequence[int], values: Sequence[int], extra_key: ExtraKey = None) -> tuple[Radix, int]:
-    tokens, values = check_tokens(key, allow_empty=True), check_tokens(values, allow_empty=True)
-    if len(values) != len(tokens):
-        raise InvalidOperation(f"{len(values)} values for a key of {len(tokens)} tokens")
-    named = _key(radix, tokens, extra_key, cut=True)
-    present = _longest_cached(radix, named)
-    radix = _touch(radix, named, present)
-    if present == len(named):
-        return radix, present
-    added = {named[: i + 1]: values[i] for i in range(present, len(named))}
-    clock = radix.clock + 1  # after the walk: SGLang creates the new leaf's TreeNode once the walk is done
-    return attrs.evolve(
-        radix,
-        values={**radix.values, **added},
-        last_use={**radix.last_use, **dict.fromkeys(added, clock)},
-        clock=clock,
-        node_ends=radix.node_ends | {named},
-    ), present
+    named, stored = checked_insert(radix, key, values, extra_key)
+    present = cached_length(radix, named)
+    radix = mark(radix, path(named, present))
+    return (radix if present == len(named) else add(radix, named, stored, present)), present
 
 
-def _locked_key(radix: Radix, key: Sequence[int], extra_key: ExtraKey, operation: str) -> Key:
-    """The key a lock or unlock names: the key itself, or (by handle) the node a match of it ends at."""
-    if radix.conventions.lock_by == "handle":
-        named = _key(radix, key, extra_key, cut=True)
-        return named[: _longest_cached(radix, named)]
-    named = _key(radix, key, extra_key, cut=False)
+def locked_key(radix: Radix, key: Sequence[int], extra_key: ExtraKey, operation: str) -> Key:
+    """The key a lock or unlock names: whole pages, cached."""
+    named = key_of(radix, key, extra_key, cut=False)
     if named not in radix.values:  # the empty key (the root) is not cached either
         raise InvalidOperation(f"cannot {operation} {tuple(key)}: it is not cached")
     return named
 
 
-def lock(radix: Radix, key: Sequence[int], extra_key: ExtraKey = None) -> Radix:
-    locked = _locked_key(radix, key, extra_key, "lock")
-    if not locked:
-        return radix  # the root: nothing to protect
-    return _split_at(attrs.evolve(radix, locks={**radix.locks, locked: radix.locks.get(locked, 0) + 1}), locked)
+def add_lock(radix: RadixT, locked: Key) -> RadixT:
+    return attrs.evolve(radix, locks={**radix.locks, locked: radix.locks.get(locked, 0) + 1})
 
 
-def unlock(radix: Radix, key: Sequence[int], extra_key: ExtraKey = None) -> Radix:
-    """Undo one lock; a key that holds one already ends a node (its lock split it), so nothing splits."""
-    locked = _locked_key(radix, key, extra_key, "unlock")
-    if not locked:
-        return radix
+def remove_lock(radix: RadixT, locked: Key, key: Sequence[int]) -> RadixT:
     held = radix.locks.get(locked, 0)
     if held == 0:
         raise InvalidOperation(f"cannot unlock {tuple(key)}: it holds no lock")
@@ -296,6 +242,14 @@ def unlock(radix: Radix, key: Sequence[int], extra_key: ExtraKey = None) -> Radi
     if held > 1:
         locks[locked] = held - 1
     return attrs.evolve(radix, locks=locks)
+
+
+def lock(radix: RadixT, key: Sequence[int], extra_key: ExtraKey = None) -> RadixT:
+    return add_lock(radix, locked_key(radix, key, extra_key, "lock"))
+
+
+def unlock(radix: Radix, key: Sequence[int], extra_key: ExtraKey = None) -> Radix:
+    return remove_lock(radix, locked_key(radix, key, extra_key, "unlock"), key)
 
 
 def evictable_leaves(radix: Radix) -> list[Key]:
@@ -306,31 +260,37 @@ def evictable_leaves(radix: Radix) -> list[Key]:
     return sorted(leaves, key=radix.last_use.__getitem__)
 
 
-def _evict_leaf(radix: Radix) -> tuple[Radix, tuple[int, ...]] | None:
-    """Evict the least recently used leaf page (or, by whole leaves, its node), deepest first; None if none."""
-    leaves = evictable_leaves(radix)
-    if not leaves:
-        return None
-    leaf = leaves[0]
-    if radix.conventions.eviction_granularity == "whole_leaves":
-        gone = _node_of(radix, leaf)[::-1]
-        ends = radix.node_ends - {leaf}
-    else:
-        page = radix.conventions.page_size
-        gone = tuple(leaf[:i] for i in range(len(leaf), len(leaf) - page, -1))
-        ends = (radix.node_ends - {leaf}) | ({leaf[:-page]} - {()})  # a trimmed node now ends a page earlier
+def leaf_page(radix: Radix, leaf: Key) -> tuple[Key, ...]:
+    """The tokens of ``leaf``'s page, deepest first: what one eviction step takes."""
+    return tuple(leaf[:i] for i in range(len(leaf), len(leaf) - radix.conventions.page_size, -1))
+
+
+def without(radix: RadixT, gone: Sequence[Key]) -> tuple[RadixT, tuple[int, ...]]:
+    """The cache with ``gone`` evicted, and their values in that order."""
     values = {k: v for k, v in radix.values.items() if k not in gone}
     last_use = {k: t for k, t in radix.last_use.items() if k not in gone}
-    evicted = tuple(radix.values[key] for key in gone)
-    return attrs.evolve(radix, values=values, last_use=last_use, node_ends=ends), evicted
+    return attrs.evolve(radix, values=values, last_use=last_use), tuple(radix.values[key] for key in gone)
+
+
+def evict_page(radix: Radix) -> tuple[Radix, tuple[int, ...]] | None:
+    """Evict the least recently used leaf page, deepest token first; None if nothing is evictable."""
+    leaves = evictable_leaves(radix)
+    return without(radix, leaf_page(radix, leaves[0])) if leaves else None
 
 
 def evict(radix: Radix, num_tokens: int) -> tuple[Radix, tuple[int, ...]]:
+    return evict_by(radix, num_tokens, evict_page)
+
+
+def evict_by(
+    radix: RadixT, num_tokens: int, step: Callable[[RadixT], tuple[RadixT, tuple[int, ...]] | None]
+) -> tuple[RadixT, tuple[int, ...]]:
+    """Evict leaf by leaf, ``step`` at a time, until ``num_tokens`` are gone or nothing is evictable."""
     if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
         raise InvalidOperation(f"cannot evict {num_tokens!r} tokens")
     evicted: tuple[int, ...] = ()
-    while len(evicted) < num_tokens and (step := _evict_leaf(radix)) is not None:
-        radix, gone = step
+    while len(evicted) < num_tokens and (taken := step(radix)) is not None:
+        radix, gone = taken
         evicted += gone
     return radix, evicted
 
@@ -420,14 +380,7 @@ def invariant_radix_agrees_with_chained_hash(radix_tokens: int, chained_blocks: 
     return None
 
 
-@invariant(
-    "the implementation must be in exactly the state the model of its declared conventions predicts",
-    "convention",
-)
-def invariant_radix_refines_spec(actual: RadixState, expected: RadixState) -> str | None:
-    if actual != expected:
-        return diff_states(actual, expected)
-    return None
+invariant_radix_refines_spec = refinement("invariant_radix_refines_spec")
 
 
 STATE = Group((invariant_radix_prefix_closed, invariant_radix_sizes_consistent))

@@ -34,8 +34,9 @@ Rules (SGLang's paged ``TokenToKVPoolAllocator`` under its ``RadixCache``; lectu
   other call on a request that is not running, an empty prompt, a negative
   count) raise ``InvalidOperation`` and change nothing.
 
-Theory of operation: ``Pages`` is the spec's radix model (``Radix``, with
-the declared radix conventions at this page size) beside a set of free pages
+Theory of operation: ``Pages`` is the spec's radix model
+(``spec.radix_conventions``: the declared radix conventions, at this page
+size) beside a set of free pages
 and the running requests' slots; every transition is pure.  The allocation
 order -- the lowest free page first, as SGLang's allocator keeps its free
 pages sorted -- is the reference's, and refinement compares slot numbers.
@@ -62,12 +63,12 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from kvspec.spec import radix_cache
+from kvspec.spec import radix_cache, radix_conventions
 from kvspec.spec.block_manager import blocks_for, check_block_size, check_tokens
 from kvspec.spec.components import component_kind
 from kvspec.spec.conventions import REFERENCE, RadixConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
-from kvspec.spec.invariants import Group, diff_states, invariant
+from kvspec.spec.invariants import Group, invariant, refinement
 from kvspec.spec.radix_cache import Radix, RadixState
 
 RequestId = int
@@ -131,7 +132,7 @@ def new_pages(num_pages: int, page_size: int, conventions: RadixConventions = RE
     page_size = check_block_size(page_size)
     if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1:
         raise InvalidOperation(f"a pool needs at least one page, got {num_pages!r}")
-    radix = radix_cache.new_radix(attrs.evolve(conventions, page_size=page_size))
+    radix = radix_conventions.new_radix(attrs.evolve(conventions, page_size=page_size))
     return Pages(page_size, radix, frozenset(range(num_pages)), {}, (NEVER_WRITTEN,) * (num_pages * page_size))
 
 
@@ -145,10 +146,10 @@ def admit(pages: Pages, request_id: RequestId, tokens: Sequence[int]) -> tuple[P
     tokens = check_tokens(tokens, allow_empty=False)
     if _check_id(request_id) in pages.requests:
         raise InvalidOperation(f"request {request_id} is running already")
-    radix, values = radix_cache.match_prefix(pages.radix, tokens)
+    radix, values = radix_conventions.match_prefix(pages.radix, tokens)
     matched = attrs.evolve(pages, radix=radix)
     if values:
-        radix = radix_cache.lock(radix, tokens[: len(values)])
+        radix = radix_conventions.lock(radix, tokens[: len(values)])
     try:
         pages, taken = _take(attrs.evolve(pages, radix=radix), blocks_for(len(tokens) - len(values), pages.page_size))
     except OutOfBlocks:
@@ -178,16 +179,16 @@ def release(pages: Pages, request_id: RequestId, keep: bool) -> Pages:
     radix, present, whole = pages.radix, held.cached, held.cached
     if keep:
         whole = len(held.tokens) - len(held.tokens) % pages.page_size
-        radix, present = radix_cache.insert(radix, held.tokens[:whole], held.slots[:whole])
+        radix, present = radix_conventions.insert(radix, held.tokens[:whole], held.slots[:whole])
     if held.cached:
-        radix = radix_cache.unlock(radix, held.tokens[: held.cached])
+        radix = radix_conventions.unlock(radix, held.tokens[: held.cached])
     returned = _pages_of(held.slots[held.cached : present] + held.slots[whole:], pages.page_size)
     requests = {rid: h for rid, h in pages.requests.items() if rid != request_id}
     return attrs.evolve(pages, radix=radix, free=pages.free | returned, requests=requests)
 
 
 def evict(pages: Pages, num_tokens: int) -> tuple[Pages, tuple[int, ...]]:
-    radix, evicted = radix_cache.evict(pages.radix, num_tokens)
+    radix, evicted = radix_conventions.evict(pages.radix, num_tokens)
     return attrs.evolve(pages, radix=radix, free=pages.free | _pages_of(evicted, pages.page_size)), evicted
 
 
@@ -326,14 +327,7 @@ def invariant_pages_read_back(state: PagesState) -> str | None:
     return None
 
 
-@invariant(
-    "the implementation must be in exactly the state the model of its declared conventions predicts",
-    "convention",
-)
-def invariant_pages_refine_spec(actual: PagesState, expected: PagesState) -> str | None:
-    if actual != expected:
-        return diff_states(actual, expected)
-    return None
+invariant_pages_refine_spec = refinement("invariant_pages_refine_spec")
 
 
 STATE = Group(

@@ -1,4 +1,4 @@
-"""Layer 4 -- the scheduler: requests, sequence groups, and what a scheduler reports.
+"""Layer 4 -- the scheduler: requests, sequence groups, and one iteration of serving them.
 
 Rules (vLLM §4.5 and §5.2, lecture §6):
 
@@ -7,6 +7,10 @@ Rules (vLLM §4.5 and §5.2, lecture §6):
   ``(request_id, sample)``; the group is scheduled, preempted and resumed as
   one (all or nothing): its blocks are all on the GPU (*running*), all on the
   CPU (*swapped*) or nowhere (*waiting*).
+* A group changes place only as ``MOVES``, the location-transition table,
+  says: admission runs it (prefill, swap in), preemption swaps it out or
+  sends it back to wait (recompute), and it leaves when it finishes or is
+  aborted.
 * ``arrive(request)`` queues the request as waiting (a request may arrive
   *not ready*: see ``mark_ready``).  One whose peak need --
   ``group_blocks(prompt, max_new_tokens, n)``, the blocks it holds after its
@@ -18,10 +22,8 @@ Rules (vLLM §4.5 and §5.2, lecture §6):
 * ``step()`` is one iteration: the *decode phase* grants each running group
   one token per sample (``sampled_token``, a deterministic stand-in for the
   model's output), preempting the lowest-ranked running group while a grant
-  does not fit (``kvspec.spec.preemption``); then the *admission phase*
-  resumes or prefills the groups not running, in rank order, while they fit
-  (``kvspec.spec.admission``).  A group that reaches ``max_new_tokens``
-  finishes and frees its blocks.
+  does not fit; then the *admission phase* resumes or prefills the groups
+  not running, in rank order, while they fit.
 * ``mark_ready(request_id)`` -- the remote KV arrived, the grammar compiled,
   an adapter slot opened: a request that arrived not ready may be admitted.
 * ``abort(request_id)`` drops an unfinished request and frees its blocks.
@@ -29,20 +31,18 @@ Rules (vLLM §4.5 and §5.2, lecture §6):
   ``max_new_tokens`` below 1, marking a ready request ready) raises
   ``InvalidOperation`` and changes nothing.
 
-The layer in four modules, read in this order: this one (the records, the
-protocol, the rules over a snapshot's memory); ``kvspec.spec.preemption``
-(the decode phase: grants, victims, swap or recompute, deadlock freedom);
-``kvspec.spec.admission`` (the admission phase: cache hits, readiness,
-watermark, queue order); ``kvspec.spec.scheduler_model`` (the spec's
-scheduler: one iteration as a pure transition, phase by phase).
+The chapter reads top to bottom in three modules, each with its rules, its
+transitions and its invariants: this one (records, the location table, the
+protocol, the spec's scheduler ``Model`` with its pure transitions -- every
+change of place through ``relocate``, by the table -- and the rules over
+memory); ``kvspec.spec.preemption`` (the decode phase, the deadlock bound);
+``kvspec.spec.admission`` (the admission phase).
 
 The factory an ``Implementation`` provides: ``scheduler(gpu, cpu, config)``
-with ``gpu`` and ``cpu`` two empty ``kvspec.spec.block_manager.BlockManager``s
-of the same block size and kind -- plain, or both ``PrefixCachingManager``s --
-(each over its own pool) and ``config`` a ``SchedulerConfig``; it returns a
-``Scheduler``, whose ``snapshot()`` is a ``SchedulerState``: its groups and
-both managers' snapshots.  Implementations may place blocks differently, so
-refinement compares everything but block numbers (``view``).
+with ``gpu`` and ``cpu`` two empty ``BlockManager``s of one block size and
+kind -- plain, or both ``PrefixCachingManager``s -- each over its own pool;
+its ``snapshot()`` is a ``SchedulerState``.  Implementations may place blocks
+differently, so refinement compares everything but block numbers (``view``).
 
 Invariants (the pool and manager invariants hold on both devices too):
 
@@ -55,29 +55,49 @@ Invariants (the pool and manager invariants hold on both devices too):
 from __future__ import annotations
 
 import numbers
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from types import ModuleType
 from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
-from kvspec.spec import block_manager
-from kvspec.spec.block_manager import ManagerState, SeqId, blocks_for, check_tokens
+from kvspec.spec import block_manager, prefix_cache
+from kvspec.spec.block_manager import Manager, ManagerState, SeqId, blocks_for, check_tokens
 from kvspec.spec.components import component_kind
 from kvspec.spec.errors import InvalidOperation, RequestTooLarge
-from kvspec.spec.invariants import diff_states, invariant
+from kvspec.spec.invariants import invariant, refinement
+from kvspec.spec.prefix_cache import CachingManager
 
 RequestId = int
 Preemption = Literal["swap", "recompute"]
 QueuePolicy = Literal["fcfs", "priority"]
 Location = Literal["waiting", "running", "swapped"]
+Event = Literal["prefill", "swap_in", "swap_out", "recompute", "finish", "abort"]
 VOCABULARY = 50_272  # OPT's; any positive size would do
-DEVICE_OF = {"running": "gpu", "swapped": "cpu"}  # where a group's blocks live; a waiting group holds none
+
+# The location-transition table: where each event takes a group (None: it leaves the queue).  The transition
+# that raises the event writes, moves or frees the group's blocks, so they are where DEVICE_OF says.
+MOVES: Mapping[tuple[Location, Event], Location | None] = {
+    ("waiting", "prefill"): "running",  # admitted: its prompt, and the tokens it had sampled, written on the GPU
+    ("swapped", "swap_in"): "running",  # admitted: its blocks moved back from the CPU
+    ("running", "swap_out"): "swapped",  # preempted by swap: its blocks moved to the CPU
+    ("running", "recompute"): "waiting",  # preempted by recompute: its blocks freed
+    ("running", "finish"): None,  # its last token decoded: its blocks freed, it is finished
+    ("waiting", "abort"): None,
+    ("running", "abort"): None,  # aborted: its blocks freed
+    ("swapped", "abort"): None,
+}
+DEVICE_OF: Mapping[str, str] = {"running": "gpu", "swapped": "cpu"}  # a waiting group holds no blocks
+
+
+def as_tokens(tokens: Iterable[int]) -> tuple[int, ...]:
+    return tuple(tokens)
 
 
 @attrs.frozen
 class Request:
     request_id: RequestId
-    prompt: tuple[int, ...] = attrs.field(converter=tuple)
+    prompt: tuple[int, ...] = attrs.field(converter=as_tokens)
     max_new_tokens: int
     n: int = 1
     priority: int = 0  # under the priority policy, lower runs first
@@ -159,7 +179,6 @@ class Scheduler(Protocol):
 
 # -- arithmetic both the model and implementations use --------------------------------
 
-
 SCHEDULER = component_kind(
     "scheduler",
     builds="scheduler(gpu_manager, cpu_manager, config)",
@@ -230,6 +249,122 @@ def check_fits_alone(request: Request, gpu_capacity: int, block_size: int) -> No
         )
 
 
+# -- the spec's scheduler ---------------------------------------------------------------
+
+Memory = Manager | CachingManager
+
+
+@attrs.frozen
+class Model:
+    config: SchedulerConfig
+    steps: int
+    arrived: tuple[RequestId, ...]
+    groups: tuple[Group, ...]
+    finished: tuple[RequestId, ...]
+    gpu: Memory
+    cpu: Memory
+
+
+def memory(device: Memory) -> ModuleType:
+    """The spec module whose transitions apply to a device: the prefix cache's or the plain manager's."""
+    return prefix_cache if isinstance(device, CachingManager) else block_manager
+
+
+def tables_of(device: Memory) -> Manager:
+    """The layer-2 model under a device: its tables, tokens and pool."""
+    return device.manager if isinstance(device, CachingManager) else device
+
+
+def free_blocks(device: Memory) -> int:
+    return len(tables_of(device).pool.lru)
+
+
+def new_model(gpu: Memory, cpu: Memory, config: SchedulerConfig) -> Model:
+    if tables_of(gpu).block_size != tables_of(cpu).block_size or type(gpu) is not type(cpu):
+        raise InvalidOperation(f"unlike devices: a GPU {type(gpu).__name__}, a CPU {type(cpu).__name__}")
+    check_config(config)
+    return Model(config=config, steps=0, arrived=(), groups=(), finished=(), gpu=gpu, cpu=cpu)
+
+
+def abstract(model: Model) -> SchedulerState:
+    return SchedulerState(
+        config=model.config,
+        steps=model.steps,
+        arrived=model.arrived,
+        groups=model.groups,
+        finished=model.finished,
+        gpu=memory(model.gpu).abstract(model.gpu),
+        cpu=memory(model.cpu).abstract(model.cpu),
+    )
+
+
+def arrive(model: Model, request: Request) -> Model:
+    request = check_request(request, model.arrived)
+    check_fits_alone(request, tables_of(model.gpu).pool.capacity, tables_of(model.gpu).block_size)
+    group = Group(request=request, arrival=len(model.arrived), ready=request.ready)
+    return attrs.evolve(model, arrived=model.arrived + (request.request_id,), groups=model.groups + (group,))
+
+
+def abort(model: Model, request_id: RequestId) -> Model:
+    group = find(model, request_id)
+    return relocate(release(model, group), group, "abort")
+
+
+def mark_ready(model: Model, request_id: RequestId) -> Model:
+    group = find(model, request_id)
+    if group.ready:
+        raise InvalidOperation(f"request {request_id!r} is ready already")
+    return replace(model, attrs.evolve(group, ready=True))
+
+
+def step(model: Model) -> tuple[Model, StepReport]:
+    """One iteration: the decode phase (``kvspec.spec.preemption``), then the admission phase
+    (``kvspec.spec.admission``)."""
+    from kvspec.spec import admission, preemption  # the phases are written over this module's records
+
+    model, report = preemption.decode_phase(model)
+    model, report = admission.admission_phase(model, report)
+    return attrs.evolve(model, steps=model.steps + 1), report
+
+
+def find(model: Model, request_id: RequestId) -> Group:
+    for group in model.groups:
+        if group.request.request_id == request_id:
+            return group
+    raise InvalidOperation(f"request {request_id!r} is not unfinished (never arrived, finished or aborted)")
+
+
+def replace(model: Model, group: Group) -> Model:
+    """The model with ``group`` in its place in the queue."""
+    rid = group.request.request_id
+    return attrs.evolve(model, groups=tuple(group if g.request.request_id == rid else g for g in model.groups))
+
+
+def relocate(model: Model, group: Group, event: Event) -> Model:
+    """``group`` where ``MOVES`` takes it at ``event``; its blocks were moved or freed first."""
+    to = MOVES[group.location, event]
+    if to is not None:
+        return replace(model, attrs.evolve(group, location=to))
+    rid = group.request.request_id
+    finished = model.finished + (rid,) if event == "finish" else model.finished
+    return attrs.evolve(model, groups=tuple(g for g in model.groups if g.request.request_id != rid), finished=finished)
+
+
+def release(model: Model, group: Group) -> Model:
+    """The model with ``group``'s blocks freed on the device that holds them."""
+    device = DEVICE_OF.get(group.location)
+    if device is None:
+        return model
+    held: Memory = getattr(model, device)
+    for seq in group.seqs:
+        held = memory(held).free(held, seq)
+    return attrs.evolve(model, gpu=held) if device == "gpu" else attrs.evolve(model, cpu=held)
+
+
+def ranking(model: Model) -> Callable[[Group], tuple[int, int]]:
+    return lambda group: rank(group, model.config.policy)
+
+
 # -- what refinement compares, and the rules over memory ---------------------------------
 
 
@@ -282,11 +417,4 @@ def invariant_memory_never_overcommitted(state: SchedulerState) -> str | None:
     return None
 
 
-@invariant(
-    "the implementation must be in exactly the state the model of its declared conventions predicts",
-    "convention",
-)
-def invariant_scheduler_refines_spec(actual: SchedulerState, expected: SchedulerState) -> str | None:
-    if view(actual) != view(expected):
-        return diff_states(view(actual), view(expected))
-    return None
+invariant_scheduler_refines_spec = refinement("invariant_scheduler_refines_spec", view)

@@ -11,16 +11,15 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from kvspec.impl import reference
 from kvspec.impl.attention import OnlineState, PagedLayerKV, merge_block
 from kvspec.impl.block_manager import BlockManager
-from kvspec.impl.broken import caught_by
+from kvspec.impl.broken import members
 from kvspec.impl.paged_kv import PagedKVCache
 from kvspec.spec import preemption
 from kvspec.spec.block_manager import SeqId
-from kvspec.spec.components import Offer, every_operation
-from kvspec.spec.implementation import Implementation
 from kvspec.spec.paged_attention import KVShape, invariant_paged_equals_contiguous
+
+cache = members("paged_kv_cache", "paged attention logits")  # a member: its paged KV cache, and what catches it
 
 
 class CopyOnWriteSkipsKV(PagedKVCache):
@@ -28,6 +27,17 @@ class CopyOnWriteSkipsKV(PagedKVCache):
 
     def _copy_blocks(self, copies: object) -> None:
         return None
+
+
+cow_skips_kv_copy = cache(
+    "copy-on-write skips the KV copy",
+    CopyOnWriteSkipsKV,
+    invariant_paged_equals_contiguous,
+    also=[
+        (invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute"),
+        (invariant_paged_equals_contiguous, "scheduler: paged = contiguous logits"),
+    ],
+)
 
 
 class ReadsStaleBlockTable(PagedKVCache):
@@ -44,6 +54,11 @@ class ReadsStaleBlockTable(PagedKVCache):
         return attrs.evolve(view, table=self._remembered[seq])
 
 
+reads_stale_block_table = cache(
+    "attention reads a stale block table", ReadsStaleBlockTable, invariant_paged_equals_contiguous
+)
+
+
 def merge_without_rescale(state: OnlineState, scores: np.ndarray, values: np.ndarray) -> OnlineState:
     """Online softmax that forgets to rescale earlier blocks by e^(m - m') when the maximum grows."""
     running_max, running_sum, output = state
@@ -55,27 +70,9 @@ class SoftmaxWithoutRescale(PagedKVCache):
     merge = staticmethod(merge_without_rescale)
 
 
-def _with_cache(name: str, cache: type[PagedKVCache]) -> Implementation:
-    return attrs.evolve(
-        reference(), name=name, paged_kv_cache=Offer(cache, operations=every_operation("paged_kv_cache"))
-    )
-
-
-@caught_by(invariant_paged_equals_contiguous, "scheduler: paged = contiguous logits")
-@caught_by(invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute")
-@caught_by(invariant_paged_equals_contiguous, "paged attention logits")
-def cow_skips_kv_copy() -> Implementation:
-    return _with_cache("broken: copy-on-write skips the KV copy", CopyOnWriteSkipsKV)
-
-
-@caught_by(invariant_paged_equals_contiguous, "paged attention logits")
-def reads_stale_block_table() -> Implementation:
-    return _with_cache("broken: attention reads a stale block table", ReadsStaleBlockTable)
-
-
-@caught_by(invariant_paged_equals_contiguous, "paged attention logits")
-def softmax_without_rescale() -> Implementation:
-    return _with_cache("broken: online softmax without the rescale", SoftmaxWithoutRescale)
+softmax_without_rescale = cache(
+    "online softmax without the rescale", SoftmaxWithoutRescale, invariant_paged_equals_contiguous
+)
 
 
 class SwapPairsSortedBlocks(PagedKVCache):
@@ -94,7 +91,11 @@ class SwapPairsSortedBlocks(PagedKVCache):
         return mapping
 
 
-@caught_by(preemption.invariant_group_on_one_device, "scheduler: paged = contiguous logits")
-@caught_by(invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute")
-def swap_pairs_sorted_blocks() -> Implementation:
-    return _with_cache("broken: swap pairs sorted source and destination blocks", SwapPairsSortedBlocks)
+swap_pairs_sorted_blocks = cache(
+    "swap pairs sorted source and destination blocks",
+    SwapPairsSortedBlocks,
+    also=[
+        (invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute"),
+        (preemption.invariant_group_on_one_device, "scheduler: paged = contiguous logits"),
+    ],
+)

@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from kvspec.impl.block_manager import BlockManager
-from kvspec.impl.broken import caught_by, member
+from kvspec.impl.broken import members
 from kvspec.spec import block_manager as spec
-from kvspec.spec import block_pool
+from kvspec.spec import block_pool, tiered_swap
 from kvspec.spec.block_manager import SeqId, WritePlan
-from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import invariant_failed_operation_changes_nothing, invariant_verdict_matches_spec
+
+# A member: its block manager, and the rules that catch it in that machine.
+manager = members("block_manager", "block manager")
+tiered = members("block_manager", "tiered swap (partial swap-in)")
 
 
 class NoCopyOnWrite(BlockManager):
@@ -18,6 +21,15 @@ class NoCopyOnWrite(BlockManager):
 
     def _needs_copy(self, seq: SeqId) -> bool:
         return False
+
+
+no_copy_on_write = manager(
+    "copy-on-write missing",
+    NoCopyOnWrite,
+    invariant_verdict_matches_spec,
+    spec.invariant_copy_on_write_exact,
+    spec.invariant_parallel_sampling_copies,
+)
 
 
 class CopiesWrongBlock(BlockManager):
@@ -30,6 +42,9 @@ class CopiesWrongBlock(BlockManager):
         return source, copy
 
 
+copies_wrong_block = manager("copy-on-write copies the wrong block", CopiesWrongBlock, spec.invariant_read_back_exact)
+
+
 class ForkWithoutShare(BlockManager):
     """Copies the parent's table without taking references on its blocks."""
 
@@ -40,6 +55,11 @@ class ForkWithoutShare(BlockManager):
         self._tokens[child] = list(self._tokens[parent])
 
 
+fork_without_share = manager(
+    "fork does not increment refcounts", ForkWithoutShare, block_pool.invariant_refcount_matches_holders
+)
+
+
 class CopiesOnFork(BlockManager):
     """Copies the child's partial last block when it forks, instead of when either first writes into it."""
 
@@ -47,6 +67,9 @@ class CopiesOnFork(BlockManager):
         super().fork(parent, child)
         if len(self._tokens[child]) % self._block_size and self._pool.num_free():
             self._copy_last_block(child)
+
+
+copies_on_fork = manager("copies the partial block at fork", CopiesOnFork, spec.invariant_fork_allocates_nothing)
 
 
 class ReservesAheadBlock(BlockManager):
@@ -59,12 +82,25 @@ class ReservesAheadBlock(BlockManager):
         return plan
 
 
+reserves_ahead_block = manager(
+    "waste bound broken by reservation",
+    ReservesAheadBlock,
+    spec.invariant_waste_bounded,
+    spec.invariant_table_length_exact,
+)
+
+
 class FreesFirstBlockFirst(BlockManager):
     """Releases a table front to back, so a sequence's shared prefix is evicted first."""
 
     def free(self, seq: SeqId) -> None:
         self._pool.release(self._table(seq))
         del self._tables[seq], self._tokens[seq]
+
+
+frees_first_block_first = manager(
+    "frees a table front to back", FreesFirstBlockFirst, spec.invariant_manager_refines_spec
+)
 
 
 class KeepsPromptBuffer(BlockManager):
@@ -77,11 +113,21 @@ class KeepsPromptBuffer(BlockManager):
         return plan
 
 
+keeps_prompt_buffer = manager(
+    "keeps an alias of the caller's prompt list", KeepsPromptBuffer, spec.invariant_read_back_exact
+)
+
+
 class AppendNotAtomic(BlockManager):
     """Writes as far as the free blocks go before running out."""
 
     def _ensure_room(self, needed: int) -> None:
         """No check: ``_write`` raises part-way instead."""
+
+
+append_not_atomic = manager(
+    "failed append not rolled back", AppendNotAtomic, invariant_failed_operation_changes_nothing
+)
 
 
 class SkipsInDeviceBlocks(BlockManager):
@@ -94,6 +140,13 @@ class SkipsInDeviceBlocks(BlockManager):
         return [(index, key, offset // self.block_size) for index, key, offset in plan]
 
 
+skips_in_device_blocks = tiered(
+    "a tier block's offset counted in device blocks",
+    SkipsInDeviceBlocks,
+    tiered_swap.invariant_tier_blocks_cover_loaded_blocks,
+)
+
+
 class LoadsOverResidentPrefix(BlockManager):
     """The partial swap-in skips the resident part of the first tier block when it reads it, but writes from that
     tier block's first device block on: the suffix lands over the resident prefix."""
@@ -103,6 +156,13 @@ class LoadsOverResidentPrefix(BlockManager):
     ) -> list[tuple[int, Hashable, int]]:
         plan = super()._load_plan(resident, factor, tiers)
         return [(index - resident % factor, key, offset) for index, key, offset in plan]
+
+
+loads_over_resident_prefix = tiered(
+    "the suffix loads over the resident prefix",
+    LoadsOverResidentPrefix,
+    tiered_swap.invariant_load_lands_after_resident_prefix,
+)
 
 
 class SkipsEveryResidentBlock(BlockManager):
@@ -121,63 +181,8 @@ class SkipsEveryResidentBlock(BlockManager):
         return [(resident + n, key, offset) for n, (key, offset) in enumerate(kept)]
 
 
-def _with_manager(name: str, manager: type[BlockManager]) -> Implementation:
-    return member(name, block_manager=manager)
-
-
-@caught_by(spec.invariant_parallel_sampling_copies, "block manager")
-@caught_by(spec.invariant_copy_on_write_exact, "block manager")
-@caught_by(invariant_verdict_matches_spec, "block manager")
-def no_copy_on_write() -> Implementation:
-    return _with_manager("broken: copy-on-write missing", NoCopyOnWrite)
-
-
-@caught_by(spec.invariant_read_back_exact, "block manager")
-def copies_wrong_block() -> Implementation:
-    return _with_manager("broken: copy-on-write copies the wrong block", CopiesWrongBlock)
-
-
-@caught_by(block_pool.invariant_refcount_matches_holders, "block manager")
-def fork_without_share() -> Implementation:
-    return _with_manager("broken: fork does not increment refcounts", ForkWithoutShare)
-
-
-@caught_by(spec.invariant_table_length_exact, "block manager")
-@caught_by(spec.invariant_waste_bounded, "block manager")
-def reserves_ahead_block() -> Implementation:
-    return _with_manager("broken: waste bound broken by reservation", ReservesAheadBlock)
-
-
-@caught_by(spec.invariant_manager_refines_spec, "block manager")
-def frees_first_block_first() -> Implementation:
-    return _with_manager("broken: frees a table front to back", FreesFirstBlockFirst)
-
-
-@caught_by(invariant_failed_operation_changes_nothing, "block manager")
-def append_not_atomic() -> Implementation:
-    return _with_manager("broken: failed append not rolled back", AppendNotAtomic)
-
-
-@caught_by(spec.invariant_fork_allocates_nothing, "block manager")
-def copies_on_fork() -> Implementation:
-    return _with_manager("broken: copies the partial block at fork", CopiesOnFork)
-
-
-@caught_by(spec.invariant_read_back_exact, "block manager")
-def keeps_prompt_buffer() -> Implementation:
-    return _with_manager("broken: keeps an alias of the caller's prompt list", KeepsPromptBuffer)
-
-
-@caught_by(spec.invariant_tier_blocks_cover_loaded_blocks, "tiered swap (partial swap-in)")
-def skips_in_device_blocks() -> Implementation:
-    return _with_manager("broken: a tier block's offset counted in device blocks", SkipsInDeviceBlocks)
-
-
-@caught_by(spec.invariant_load_lands_after_resident_prefix, "tiered swap (partial swap-in)")
-def loads_over_resident_prefix() -> Implementation:
-    return _with_manager("broken: the suffix loads over the resident prefix", LoadsOverResidentPrefix)
-
-
-@caught_by(spec.invariant_swap_round_trip_exact, "tiered swap (partial swap-in)")
-def skips_every_resident_block() -> Implementation:
-    return _with_manager("broken: skips every resident block in the first tier block", SkipsEveryResidentBlock)
+skips_every_resident_block = tiered(
+    "skips every resident block in the first tier block",
+    SkipsEveryResidentBlock,
+    tiered_swap.invariant_swap_round_trip_exact,
+)

@@ -1,6 +1,6 @@
 """Broken block pools: each breaks a rule of ``kvspec.spec.block_pool`` and must be caught.
 
-Every factory returns an ``Implementation`` whose pool is a small subclass of
+Every member is an ``Implementation`` whose pool is a small subclass of
 the reference and declares the invariants that catch it.  The last ones
 declare a convention other than the reference's (or that they trust their
 caller), honour it, and then break a safety rule: a declared convention never
@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from kvspec.impl.block_pool import BlockPool, LRUFreeQueue
-from kvspec.impl.broken import caught_by, member
+from kvspec.impl.broken import members
 from kvspec.spec import block_pool as spec
-from kvspec.spec.conventions import REFERENCE, Conventions, Policy, PoolConventions
+from kvspec.spec.conventions import Conventions, Policy, PoolConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
-from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import (
     invariant_answer_not_changed_later,
     invariant_failed_operation_changes_nothing,
@@ -24,6 +23,8 @@ from kvspec.spec.invariants import (
     invariant_out_of_contract_call_rejected,
     invariant_result_matches_spec,
 )
+
+pool = members("block_pool", "block pool")  # a member: its pool, and the rules that catch it in that machine
 
 
 class LeaksOnFree(BlockPool):
@@ -37,6 +38,13 @@ class LeaksOnFree(BlockPool):
                 self._refcounts[block] = 1
 
 
+leaks_on_free = pool("leaks on free", LeaksOnFree, spec.invariant_no_leak, spec.invariant_refcount_matches_holders)
+# Declares that it trusts its caller -- and leaks on free, which no caller excuses.
+trusting_leaks_on_free = pool(
+    "trusts its caller, leaks on free", LeaksOnFree, spec.invariant_no_leak, conventions=Conventions(trusts_caller=True)
+)
+
+
 class AcceptsDoubleFree(BlockPool):
     """Releases blocks nobody holds, driving counts negative."""
 
@@ -45,6 +53,11 @@ class AcceptsDoubleFree(BlockPool):
             self._refcounts[block] -= 1
             if self._refcounts[block] == 0:
                 self._free.push(block, self._uses[block])
+
+
+accepts_double_free = pool(
+    "accepts double free", AcceptsDoubleFree, invariant_out_of_contract_call_rejected, spec.invariant_capacity_conserved
+)
 
 
 class HitLeavesBlockQueued(BlockPool):
@@ -57,6 +70,9 @@ class HitLeavesBlockQueued(BlockPool):
             self._free.push(block, self._uses[block])
 
 
+hit_leaves_block_queued = pool("a hit leaves the block queued", HitLeavesBlockQueued, spec.invariant_free_queue_exact)
+
+
 class AllocateNotAtomic(BlockPool):
     """Takes what it can before noticing that there is not enough."""
 
@@ -65,6 +81,11 @@ class AllocateNotAtomic(BlockPool):
             super().allocate(len(self._free))
             raise OutOfBlocks(n, 0)
         return super().allocate(n)
+
+
+allocate_not_atomic = pool(
+    "failed allocate not rolled back", AllocateNotAtomic, invariant_failed_operation_changes_nothing
+)
 
 
 class EvictsMostRecentFirst(BlockPool):
@@ -81,6 +102,14 @@ class EvictsMostRecentFirst(BlockPool):
         return blocks
 
 
+evicts_most_recent_first = pool(
+    "wrong end of the free queue",
+    EvictsMostRecentFirst,
+    spec.invariant_eviction_order,
+    spec.invariant_pool_refines_spec,
+)
+
+
 class EvictsInUseBlocks(BlockPool):
     """``evict`` drops cached hashes in block order, whether the block is free or not."""
 
@@ -93,12 +122,20 @@ class EvictsInUseBlocks(BlockPool):
         return victims
 
 
+evicts_in_use_blocks = pool("evicts in-use cached blocks", EvictsInUseBlocks, spec.invariant_in_use_never_reclaimed)
+
+
 class RegisterAlwaysSucceeds(BlockPool):
     """Answers True for a hash it refused: the caller believes its block is cached."""
 
     def register(self, block: int, block_hash: Hashable) -> bool:
         super().register(block, block_hash)
         return True
+
+
+register_always_succeeds = pool(
+    "register answers True for a refused hash", RegisterAlwaysSucceeds, invariant_result_matches_spec
+)
 
 
 class NumFreeSkipsCachedBlocks(BlockPool):
@@ -108,6 +145,11 @@ class NumFreeSkipsCachedBlocks(BlockPool):
         return sum(1 for block in self._free if self._hashes[block] is None)
 
 
+num_free_skips_cached_blocks = pool(
+    "num_free() leaves out cached free blocks", NumFreeSkipsCachedBlocks, spec.invariant_counts_match_snapshot
+)
+
+
 class LFUIgnoresHits(BlockPool):
     """Under LFU a hit is not counted as a use: popular blocks are evicted as if cold."""
 
@@ -115,6 +157,9 @@ class LFUIgnoresHits(BlockPool):
         uses = list(self._uses)
         super().share(blocks)
         self._uses = uses
+
+
+lfu_ignores_hits = pool("LFU does not count hits", LFUIgnoresHits, spec.invariant_pool_refines_spec)
 
 
 class HeadQueuesEveryRelease(BlockPool):
@@ -128,6 +173,14 @@ class HeadQueuesEveryRelease(BlockPool):
         for block in reversed([b for b in blocks if self._hashes[b] is None]):
             queue[block] = None
             queue.move_to_end(block, last=False)
+
+
+head_queues_every_release = pool(
+    "head of the queue on every release",
+    HeadQueuesEveryRelease,
+    spec.invariant_free_queue_exact,
+    conventions=Conventions(pool=PoolConventions(unhashed_free_position="head", policies=("lru",))),
+)
 
 
 class KeepsDuplicatesForgetsBoth(BlockPool):
@@ -163,11 +216,22 @@ class KeepsDuplicatesForgetsBoth(BlockPool):
         return spec.PoolState(state.capacity, state.refcounts, state.free_queue, state.block_hashes, carriers)
 
 
+keeps_duplicates_forgets_both = pool(
+    "duplicate hashes kept, then both forgotten",
+    KeepsDuplicatesForgetsBoth,
+    spec.invariant_hash_map_consistent,
+    conventions=Conventions(pool=PoolConventions(duplicate_hash="keep")),
+)
+
+
 class LookupRaisesOnMiss(BlockPool):
     """``lookup`` reads the hash map with ``[]``: a miss raises ``KeyError`` into the caller's scheduling step."""
 
     def lookup(self, block_hash: Hashable) -> int | None:
         return self._cached[block_hash]
+
+
+lookup_raises_on_miss = pool("lookup raises KeyError on a miss", LookupRaisesOnMiss, invariant_no_untyped_error)
 
 
 class ReusesItsAnswer(BlockPool):
@@ -183,6 +247,11 @@ class ReusesItsAnswer(BlockPool):
         return self._scratch
 
 
+reuses_its_answer = pool(
+    "allocate answers a scratch list it refills", ReusesItsAnswer, invariant_answer_not_changed_later
+)
+
+
 class LRUOnly(LeaksOnFree):
     """Offers LRU alone (and says so); then leaks on free."""
 
@@ -192,87 +261,9 @@ class LRUOnly(LeaksOnFree):
         super().__init__(capacity, policy)
 
 
-def _with_pool(name: str, pool: type[BlockPool], conventions: Conventions = REFERENCE) -> Implementation:
-    """A pool alone: the suite runs the reference's other layers on top of it."""
-    return member(name, conventions, block_pool=pool)
-
-
-@caught_by(spec.invariant_refcount_matches_holders, "block pool")
-@caught_by(spec.invariant_no_leak, "block pool")
-def leaks_on_free() -> Implementation:
-    return _with_pool("broken: leaks on free", LeaksOnFree)
-
-
-@caught_by(spec.invariant_capacity_conserved, "block pool")
-@caught_by(invariant_out_of_contract_call_rejected, "block pool")
-def accepts_double_free() -> Implementation:
-    return _with_pool("broken: accepts double free", AcceptsDoubleFree)
-
-
-@caught_by(spec.invariant_free_queue_exact, "block pool")
-def hit_leaves_block_queued() -> Implementation:
-    return _with_pool("broken: a hit leaves the block queued", HitLeavesBlockQueued)
-
-
-@caught_by(invariant_failed_operation_changes_nothing, "block pool")
-def allocate_not_atomic() -> Implementation:
-    return _with_pool("broken: failed allocate not rolled back", AllocateNotAtomic)
-
-
-@caught_by(spec.invariant_pool_refines_spec, "block pool")
-@caught_by(spec.invariant_eviction_order, "block pool")
-def evicts_most_recent_first() -> Implementation:
-    return _with_pool("broken: wrong end of the free queue", EvictsMostRecentFirst)
-
-
-@caught_by(spec.invariant_in_use_never_reclaimed, "block pool")
-def evicts_in_use_blocks() -> Implementation:
-    return _with_pool("broken: evicts in-use cached blocks", EvictsInUseBlocks)
-
-
-@caught_by(invariant_result_matches_spec, "block pool")
-def register_always_succeeds() -> Implementation:
-    return _with_pool("broken: register answers True for a refused hash", RegisterAlwaysSucceeds)
-
-
-@caught_by(spec.invariant_counts_match_snapshot, "block pool")
-def num_free_skips_cached_blocks() -> Implementation:
-    return _with_pool("broken: num_free() leaves out cached free blocks", NumFreeSkipsCachedBlocks)
-
-
-@caught_by(spec.invariant_pool_refines_spec, "block pool")
-def lfu_ignores_hits() -> Implementation:
-    return _with_pool("broken: LFU does not count hits", LFUIgnoresHits)
-
-
-@caught_by(spec.invariant_free_queue_exact, "block pool")
-def head_queues_every_release() -> Implementation:
-    conventions = Conventions(pool=PoolConventions(unhashed_free_position="head", policies=("lru",)))
-    return _with_pool("broken: head of the queue on every release", HeadQueuesEveryRelease, conventions)
-
-
-@caught_by(spec.invariant_hash_map_consistent, "block pool")
-def keeps_duplicates_forgets_both() -> Implementation:
-    conventions = Conventions(pool=PoolConventions(duplicate_hash="keep"))
-    return _with_pool("broken: duplicate hashes kept, then both forgotten", KeepsDuplicatesForgetsBoth, conventions)
-
-
-@caught_by(invariant_no_untyped_error, "block pool")
-def lookup_raises_on_miss() -> Implementation:
-    return _with_pool("broken: lookup raises KeyError on a miss", LookupRaisesOnMiss)
-
-
-@caught_by(invariant_answer_not_changed_later, "block pool")
-def reuses_its_answer() -> Implementation:
-    return _with_pool("broken: allocate answers a scratch list it refills", ReusesItsAnswer)
-
-
-@caught_by(spec.invariant_no_leak, "block pool")
-def lru_only_leaks() -> Implementation:
-    return _with_pool("broken: LRU only, leaks on free", LRUOnly, Conventions(pool=PoolConventions(policies=("lru",))))
-
-
-@caught_by(spec.invariant_no_leak, "block pool")
-def trusting_leaks_on_free() -> Implementation:
-    """Declares that it trusts its caller -- and leaks on free, which no caller excuses."""
-    return _with_pool("broken: trusts its caller, leaks on free", LeaksOnFree, Conventions(trusts_caller=True))
+lru_only_leaks = pool(
+    "LRU only, leaks on free",
+    LRUOnly,
+    spec.invariant_no_leak,
+    conventions=Conventions(pool=PoolConventions(policies=("lru",))),
+)

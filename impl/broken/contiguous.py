@@ -1,6 +1,6 @@
 """Broken contiguous allocators: each breaks one rule of ``kvspec.spec.contiguous`` and must be caught.
 
-Every factory returns an ``Implementation`` whose allocator is a one-method
+Every member is an ``Implementation`` whose allocator is a one-method
 subclass of the reference; the meta-tests name the invariant that catches it.
 """
 
@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvspec.impl.broken import caught_by, member
+from kvspec.impl.broken import members
 from kvspec.impl.contiguous import ContiguousAllocator
 from kvspec.spec import contiguous as contiguous_spec
 from kvspec.spec.contiguous import Ledger
-from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import invariant_result_matches_spec
+
+allocator = members("contiguous_allocator", "contiguous allocators")  # an allocator, and what catches it there
 
 
 class CoalescesWithNonBuddy(ContiguousAllocator):
@@ -28,11 +29,19 @@ class CoalescesWithNonBuddy(ContiguousAllocator):
         super()._return_buddy(offset, size)
 
 
+coalesces_with_non_buddy = allocator(
+    "coalesces with a non-buddy", CoalescesWithNonBuddy, contiguous_spec.invariant_buddy_blocks_aligned
+)
+
+
 class NeverCoalesces(ContiguousAllocator):
     """Returns a freed block as it is, leaving its free buddy beside it."""
 
     def _return_buddy(self, offset: int, size: int) -> None:
         self._free_by_size.setdefault(size, set()).add(offset)
+
+
+never_coalesces = allocator("never coalesces", NeverCoalesces, contiguous_spec.invariant_free_space_coalesced)
 
 
 class LeaksOnFree(ContiguousAllocator):
@@ -43,6 +52,9 @@ class LeaksOnFree(ContiguousAllocator):
         del self._regions[request_id]
 
 
+leaks_on_free = allocator("leaks a region on free", LeaksOnFree, contiguous_spec.invariant_slots_conserved)
+
+
 class OverlappingPlacement(ContiguousAllocator):
     """Hands out a free block of exactly the right size but leaves it free: the next request gets it too."""
 
@@ -50,6 +62,11 @@ class OverlappingPlacement(ContiguousAllocator):
         if self._free_by_size.get(size):
             return min(self._free_by_size[size])
         return super()._take_buddy(size)
+
+
+overlapping_placement = allocator(
+    "places regions over free blocks", OverlappingPlacement, contiguous_spec.invariant_regions_disjoint
+)
 
 
 class RoundsDown(ContiguousAllocator):
@@ -62,6 +79,9 @@ class RoundsDown(ContiguousAllocator):
             region.size //= 2
             self._return_buddy(offset + region.size, region.size)
         return offset
+
+
+rounds_down = allocator("rounds a buddy region down", RoundsDown, contiguous_spec.invariant_region_fits)
 
 
 class PlacesInLastFit(ContiguousAllocator):
@@ -78,11 +98,19 @@ class PlacesInLastFit(ContiguousAllocator):
             self._hole_offsets.sort()
 
 
+places_in_last_fit = allocator("first-fit takes the last hole", PlacesInLastFit, invariant_result_matches_spec)
+
+
 class PrefillWritesOneToken(ContiguousAllocator):
     """Records one token for every write, however many were written: the region looks emptier than it is."""
 
     def append(self, request_id: int, n: int) -> None:
         super().append(request_id, min(n, 1) if type(n) is int else n)
+
+
+prefill_writes_one_token = allocator(
+    "a write of n tokens records one", PrefillWritesOneToken, contiguous_spec.invariant_arena_refines_spec
+)
 
 
 class LedgerCountsRoundingAsTokens(ContiguousAllocator):
@@ -100,46 +128,6 @@ class LedgerCountsRoundingAsTokens(ContiguousAllocator):
         )
 
 
-def _with_allocator(name: str, allocator: type[ContiguousAllocator]) -> Implementation:
-    """An allocator alone: the suite runs the reference's other layers beside it."""
-    return member(name, contiguous_allocator=allocator)
-
-
-@caught_by(contiguous_spec.invariant_buddy_blocks_aligned, "contiguous allocators")
-def coalesces_with_non_buddy() -> Implementation:
-    return _with_allocator("broken: coalesces with a non-buddy", CoalescesWithNonBuddy)
-
-
-@caught_by(contiguous_spec.invariant_free_space_coalesced, "contiguous allocators")
-def never_coalesces() -> Implementation:
-    return _with_allocator("broken: never coalesces", NeverCoalesces)
-
-
-@caught_by(contiguous_spec.invariant_slots_conserved, "contiguous allocators")
-def leaks_on_free() -> Implementation:
-    return _with_allocator("broken: leaks a region on free", LeaksOnFree)
-
-
-@caught_by(contiguous_spec.invariant_regions_disjoint, "contiguous allocators")
-def overlapping_placement() -> Implementation:
-    return _with_allocator("broken: places regions over free blocks", OverlappingPlacement)
-
-
-@caught_by(contiguous_spec.invariant_ledger_exact, "contiguous allocators")
-def ledger_counts_rounding_as_tokens() -> Implementation:
-    return _with_allocator("broken: ledger counts rounded-up slots as tokens", LedgerCountsRoundingAsTokens)
-
-
-@caught_by(contiguous_spec.invariant_region_fits, "contiguous allocators")
-def rounds_down() -> Implementation:
-    return _with_allocator("broken: rounds a buddy region down", RoundsDown)
-
-
-@caught_by(invariant_result_matches_spec, "contiguous allocators")
-def places_in_last_fit() -> Implementation:
-    return _with_allocator("broken: first-fit takes the last hole", PlacesInLastFit)
-
-
-@caught_by(contiguous_spec.invariant_arena_refines_spec, "contiguous allocators")
-def prefill_writes_one_token() -> Implementation:
-    return _with_allocator("broken: a write of n tokens records one", PrefillWritesOneToken)
+ledger_counts_rounding_as_tokens = allocator(
+    "ledger counts rounded-up slots as tokens", LedgerCountsRoundingAsTokens, contiguous_spec.invariant_ledger_exact
+)

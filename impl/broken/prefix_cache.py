@@ -1,6 +1,6 @@
 """Broken prefix caches: each breaks a rule of ``kvspec.spec.prefix_cache`` and declares what catches it.
 
-Every factory returns an ``Implementation`` whose pool or prefix-caching
+Every member is an ``Implementation`` whose pool or prefix-caching
 manager is a small subclass of the reference.
 """
 
@@ -10,14 +10,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvspec.impl.block_pool import BlockPool
-from kvspec.impl.broken import caught_by, member
+from kvspec.impl.broken import members
 from kvspec.impl.hashing import ROOT, BlockHash, hash_block
 from kvspec.impl.prefix_caching import PrefixCachingBlockManager
 from kvspec.spec import block_pool
 from kvspec.spec import prefix_cache as spec
 from kvspec.spec.block_manager import SeqId
-from kvspec.spec.implementation import Implementation
 from kvspec.spec.prefix_cache import ExtraKey, max_hit_blocks
+
+# A member: its pool or its prefix-caching manager (over the reference's pool), and the rules that catch it.
+pool = members("block_pool", "prefix cache")
+cache = members("prefix_caching_manager", "prefix cache", block_pool=BlockPool)
+deferred = members("prefix_caching_manager", "prefix cache (deferred commit)", block_pool=BlockPool)
 
 
 class StaleEntryAfterReallocation(BlockPool):
@@ -25,6 +29,14 @@ class StaleEntryAfterReallocation(BlockPool):
 
     def _forget(self, block: int) -> None:
         self._hashes[block] = None
+
+
+stale_entry_after_reallocation = pool(
+    "stale hash-map entry after reallocation",
+    StaleEntryAfterReallocation,
+    block_pool.invariant_hash_map_consistent,
+    spec.invariant_hit_is_exact_prefix,
+)
 
 
 class EvictsEagerly(BlockPool):
@@ -36,11 +48,21 @@ class EvictsEagerly(BlockPool):
         return super().allocate(n)
 
 
+evicts_eagerly = pool(
+    "evicts cached blocks before they are needed", EvictsEagerly, spec.invariant_evicts_only_what_is_needed
+)
+
+
 class UnchainedHash(PrefixCachingBlockManager):
     """Hashes each block on its own: equal blocks after different prefixes collide."""
 
     def _hash(self, parent: BlockHash, tokens: Sequence[int], extra_key: ExtraKey) -> BlockHash:
         return hash_block(ROOT, tokens, extra_key)
+
+
+unchained_hash = cache(
+    "unchained block hash", UnchainedHash, spec.invariant_hash_iff_prefix, spec.invariant_hash_change_propagates
+)
 
 
 class IgnoresExtraKeys(PrefixCachingBlockManager):
@@ -50,11 +72,17 @@ class IgnoresExtraKeys(PrefixCachingBlockManager):
         return hash_block(parent, tokens, None)
 
 
+ignores_extra_keys = cache("extra keys ignored", IgnoresExtraKeys, spec.invariant_hash_iff_prefix)
+
+
 class ExtraKeyAsText(PrefixCachingBlockManager):
     """Hashes the extra key as its fields' text run together: ("a", 1) and ("a1",), 1 and "1", encode alike."""
 
     def _hash(self, parent: BlockHash, tokens: Sequence[int], extra_key: ExtraKey) -> BlockHash:
         return hash_block(parent, tokens, _text(extra_key))
+
+
+extra_key_as_text = cache("extra key hashed as its fields' text", ExtraKeyAsText, spec.invariant_hash_iff_prefix)
 
 
 def _text(key: ExtraKey) -> str:
@@ -68,6 +96,9 @@ class TokensAsUint16(PrefixCachingBlockManager):
 
     def _hash(self, parent: BlockHash, tokens: Sequence[int], extra_key: ExtraKey) -> BlockHash:
         return hash_block(parent, [token & 0xFFFF for token in tokens], extra_key)
+
+
+tokens_as_uint16 = cache("token ids packed into 16 bits", TokensAsUint16, spec.invariant_hash_change_propagates)
 
 
 class ChainCachedOnTheBuffer(PrefixCachingBlockManager):
@@ -88,6 +119,11 @@ class ChainCachedOnTheBuffer(PrefixCachingBlockManager):
         return hashes
 
 
+chain_cached_on_the_buffer = cache(
+    "hash chain remembered by the prompt buffer", ChainCachedOnTheBuffer, spec.invariant_hit_is_exact_prefix
+)
+
+
 class CommitSurvivesAbort(PrefixCachingBlockManager):
     """Keeps an aborted request's pending registrations: the next request in its slot commits them too,
     naming blocks that were freed and handed out again."""
@@ -99,12 +135,22 @@ class CommitSurvivesAbort(PrefixCachingBlockManager):
             self._pending[seq] = pending
 
 
+commit_survives_abort = deferred(
+    "a commit survives its request's abort", CommitSurvivesAbort, spec.invariant_cached_block_holds_its_prefix
+)
+
+
 class CountsHitsPastFirstMiss(PrefixCachingBlockManager):
     """Reports every cached block of the prompt as a hit, even after a miss."""
 
     def _cached_tokens(self, prompt: Sequence[int], extra_key: ExtraKey, hits: Sequence[int]) -> int:
         hashes = self.block_hashes(prompt, extra_key)[: max_hit_blocks(len(prompt), self._block_size)]
         return sum(self._block_size for h in hashes if self._pool.lookup(h) is not None)
+
+
+counts_hits_past_first_miss = cache(
+    "hits counted past the first miss", CountsHitsPastFirstMiss, spec.invariant_hits_stop_at_first_miss
+)
 
 
 class LookupTouchesLRU(PrefixCachingBlockManager):
@@ -121,6 +167,9 @@ class LookupTouchesLRU(PrefixCachingBlockManager):
         return untouched[: max_hit_blocks(len(prompt), self._block_size)]
 
 
+lookup_touches_lru = cache("LRU touched by a lookup", LookupTouchesLRU, block_pool.invariant_eviction_order)
+
+
 class ReadsWholeBlocksOnly(PrefixCachingBlockManager):
     """``read`` answers what the cache knows of a sequence -- its full blocks -- and drops the partial tail."""
 
@@ -129,62 +178,6 @@ class ReadsWholeBlocksOnly(PrefixCachingBlockManager):
         return tokens[: len(tokens) // self._block_size * self._block_size]
 
 
-def _with(name: str, block_pool: Any = None, prefix_caching_manager: Any = None) -> Implementation:
-    return member(name, block_pool=block_pool or BlockPool, prefix_caching_manager=prefix_caching_manager)
-
-
-@caught_by(spec.invariant_hit_is_exact_prefix, "prefix cache")
-@caught_by(block_pool.invariant_hash_map_consistent, "prefix cache")
-def stale_entry_after_reallocation() -> Implementation:
-    return _with("broken: stale hash-map entry after reallocation", block_pool=StaleEntryAfterReallocation)
-
-
-@caught_by(spec.invariant_evicts_only_what_is_needed, "prefix cache")
-def evicts_eagerly() -> Implementation:
-    return _with("broken: evicts cached blocks before they are needed", block_pool=EvictsEagerly)
-
-
-@caught_by(spec.invariant_hash_change_propagates, "prefix cache")
-@caught_by(spec.invariant_hash_iff_prefix, "prefix cache")
-def unchained_hash() -> Implementation:
-    return _with("broken: unchained block hash", prefix_caching_manager=UnchainedHash)
-
-
-@caught_by(spec.invariant_hash_iff_prefix, "prefix cache")
-def ignores_extra_keys() -> Implementation:
-    return _with("broken: extra keys ignored", prefix_caching_manager=IgnoresExtraKeys)
-
-
-@caught_by(spec.invariant_hash_iff_prefix, "prefix cache")
-def extra_key_as_text() -> Implementation:
-    return _with("broken: extra key hashed as its fields' text", prefix_caching_manager=ExtraKeyAsText)
-
-
-@caught_by(spec.invariant_hash_change_propagates, "prefix cache")
-def tokens_as_uint16() -> Implementation:
-    return _with("broken: token ids packed into 16 bits", prefix_caching_manager=TokensAsUint16)
-
-
-@caught_by(spec.invariant_hit_is_exact_prefix, "prefix cache")
-def chain_cached_on_the_buffer() -> Implementation:
-    return _with("broken: hash chain remembered by the prompt buffer", prefix_caching_manager=ChainCachedOnTheBuffer)
-
-
-@caught_by(spec.invariant_cached_block_holds_its_prefix, "prefix cache (deferred commit)")
-def commit_survives_abort() -> Implementation:
-    return _with("broken: a commit survives its request's abort", prefix_caching_manager=CommitSurvivesAbort)
-
-
-@caught_by(spec.invariant_hits_stop_at_first_miss, "prefix cache")
-def counts_hits_past_first_miss() -> Implementation:
-    return _with("broken: hits counted past the first miss", prefix_caching_manager=CountsHitsPastFirstMiss)
-
-
-@caught_by(block_pool.invariant_eviction_order, "prefix cache")
-def lookup_touches_lru() -> Implementation:
-    return _with("broken: LRU touched by a lookup", prefix_caching_manager=LookupTouchesLRU)
-
-
-@caught_by(spec.invariant_reuse_preserves_read_back, "prefix cache")
-def reads_whole_blocks_only() -> Implementation:
-    return _with("broken: read drops the partial last block", prefix_caching_manager=ReadsWholeBlocksOnly)
+reads_whole_blocks_only = cache(
+    "read drops the partial last block", ReadsWholeBlocksOnly, spec.invariant_reuse_preserves_read_back
+)

@@ -1,6 +1,6 @@
 """Broken radix caches: each breaks a rule of ``kvspec.spec.radix_cache`` and declares what catches it.
 
-Every factory returns an ``Implementation`` whose radix cache is a small
+Every member is an ``Implementation`` whose radix cache is a small
 subclass of the reference.  ``WholeLeaves``, ``PerNodeRecency`` and
 ``LockByHandle`` honour SGLang's conventions (declared, so the model follows
 them); the members built on them then break a safety rule, which no
@@ -14,16 +14,23 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from kvspec.impl.broken import caught_by, member
+from kvspec.impl.broken import members
 from kvspec.impl.radix_cache import Node, RadixCache
 from kvspec.spec import block_pool
 from kvspec.spec import radix_cache as spec
 from kvspec.spec.block_manager import check_tokens
 from kvspec.spec.conventions import Conventions, RadixConventions
 from kvspec.spec.errors import InvalidOperation
-from kvspec.spec.implementation import Implementation
 from kvspec.spec.prefix_cache import ExtraKey
+
+radix = members("radix_cache", "radix cache")  # a member: its radix cache, and the rules that catch it there
+
+
+def declaring(**choices: Any) -> Conventions:
+    """The conventions of a member that declares radix choices other than the reference's."""
+    return Conventions(radix=RadixConventions(**choices))
 
 
 def evict_leaves(cache: RadixCache, num_tokens: int, whole: bool, evictable: Callable[[Node], bool]) -> tuple[int, ...]:
@@ -59,12 +66,25 @@ class RadixEvictsLockedPaths(RadixCache):
         return evict_leaves(self, num_tokens, whole=False, evictable=lambda node: True)
 
 
+radix_evicts_locked_paths = radix(
+    "radix cache evicts locked paths",
+    RadixEvictsLockedPaths,
+    spec.invariant_radix_locked_never_evicted,
+    spec.invariant_radix_refines_spec,
+)
+
+
 class RadixMatchIsNotAUse(RadixCache):
     """A match does not refresh last use, so eviction order follows inserts only."""
 
     def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
         path = self._walk(self._named(check_tokens(key, allow_empty=True), extra_key))
         return tuple(v for node in path for v in node.values)
+
+
+radix_match_is_not_a_use = radix(
+    "radix match does not refresh LRU", RadixMatchIsNotAUse, block_pool.invariant_eviction_order
+)
 
 
 class MatchDropsLastToken(RadixCache):
@@ -74,6 +94,14 @@ class MatchDropsLastToken(RadixCache):
         return super().match_prefix(key, extra_key)[:-1]
 
 
+match_drops_last_token = radix(
+    "radix match drops its last token",
+    MatchDropsLastToken,
+    spec.invariant_radix_match_is_longest,
+    also=[(spec.invariant_radix_agrees_with_chained_hash, "radix = chained hash")],
+)
+
+
 class ProtectedCountsEveryLock(RadixCache):
     """``protected_size()`` adds up the locked keys' lengths, counting shared prefixes once per lock."""
 
@@ -81,11 +109,21 @@ class ProtectedCountsEveryLock(RadixCache):
         return sum(len(key) * count for key, count in self._locks.items())
 
 
+protected_counts_every_lock = radix(
+    "protected size counted per lock", ProtectedCountsEveryLock, spec.invariant_radix_sizes_consistent
+)
+
+
 class EvictsOneTokenPerCall(RadixCache):
     """Evicts at most one token however many were asked for."""
 
     def evict(self, num_tokens: int) -> tuple[int, ...]:
         return super().evict(min(num_tokens, 1) if isinstance(num_tokens, int) and num_tokens >= 0 else num_tokens)
+
+
+evicts_one_token_per_call = radix(
+    "evicts one token per call", EvictsOneTokenPerCall, spec.invariant_radix_evicts_what_was_asked
+)
 
 
 class SplitsOnlyWhatItLocks(RadixCache):
@@ -113,9 +151,16 @@ class WholeLeavesIgnoringLocks(RadixCache):
         return evict_leaves(self, num_tokens, whole=True, evictable=lambda node: True)
 
 
+whole_leaves_ignoring_locks = radix(
+    "whole-leaf eviction ignores locks",
+    WholeLeavesIgnoringLocks,
+    spec.invariant_radix_locked_never_evicted,
+    conventions=declaring(eviction_granularity="whole_leaves"),
+)
+
+
 class PerNodeRecency(SplitsOnlyWhatItLocks):
-    """SGLang's recency: a walk stamps each node it visits, whole, and only then splits the last one; the upper
-    part a split cuts off is stamped when it is cut."""
+    """SGLang's recency: a walk stamps each node it visits, whole, and only then splits the last one."""
 
     def _stamp_visited(self, key: Sequence[int], extra_key: ExtraKey) -> None:
         named, node, depth, now = (
@@ -131,11 +176,6 @@ class PerNodeRecency(SplitsOnlyWhatItLocks):
                 break  # the walk ends inside this node
             depth += len(node.key)
         self._push_if_evictable(node)  # its tail, once split off, is a leaf stamped now
-
-    def _split(self, node: Node, at: int) -> Node:
-        upper = super()._split(node, at)
-        upper.last_use = next(self._clock)
-        return upper
 
     def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
         self._stamp_visited(key, extra_key)
@@ -161,10 +201,20 @@ class PerNodeMatchReadsWholeNode(PerNodeRecency):
         return tuple(values)
 
 
+per_node_match_reads_whole_node = radix(
+    "per-node recency, match reads whole nodes",
+    PerNodeMatchReadsWholeNode,
+    spec.invariant_radix_match_is_longest,
+    conventions=declaring(recency="per_node"),
+)
+
+
 class LockByHandle(RadixCache):
-    """SGLang's locks: on the node a match of the key ends at; the root (no cached prefix) is a no-op."""
+    """SGLang's locks: a match of the key, then a lock on the node it ends at; the root (no cached prefix) is a
+    no-op."""
 
     def lock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None:
+        self.match_prefix(key, extra_key)
         named = self._named(check_tokens(key, allow_empty=True), extra_key)
         path = self._walk(named)
         if not path:
@@ -194,6 +244,14 @@ class HandleLockLostInSplit(LockByHandle):
         return upper
 
 
+handle_lock_lost_in_split = radix(
+    "handle lock lost when its node splits",
+    HandleLockLostInSplit,
+    spec.invariant_radix_sizes_consistent,
+    conventions=declaring(lock_by="handle"),
+)
+
+
 class CachesPartialPages(RadixCache):
     """Declares pages of two tokens, but caches a key's partial last page too, and hands it out on a match."""
 
@@ -204,6 +262,14 @@ class CachesPartialPages(RadixCache):
         return spec.name_tokens(key, self._page_size, extra_key)
 
 
+caches_partial_pages = radix(
+    "pages of 2, the partial last page cached",
+    CachesPartialPages,
+    spec.invariant_radix_match_is_longest,
+    conventions=declaring(page_size=2),
+)
+
+
 class IgnoresExtraKeys(RadixCache):
     """Takes an extra key and drops it: one LoRA adapter's requests hit another's KV."""
 
@@ -211,62 +277,9 @@ class IgnoresExtraKeys(RadixCache):
         return super()._named(key, None, whole_pages)
 
 
-def _with_radix(name: str, radix: Callable[[], RadixCache], **conventions: object) -> Implementation:
-    declared = Conventions(radix=RadixConventions(**conventions))  # type: ignore[arg-type]
-    return member(name, declared, radix_cache=radix)
-
-
-@caught_by(spec.invariant_radix_refines_spec, "radix cache")
-@caught_by(spec.invariant_radix_locked_never_evicted, "radix cache")
-def radix_evicts_locked_paths() -> Implementation:
-    return _with_radix("broken: radix cache evicts locked paths", RadixEvictsLockedPaths)
-
-
-@caught_by(block_pool.invariant_eviction_order, "radix cache")
-def radix_match_is_not_a_use() -> Implementation:
-    return _with_radix("broken: radix match does not refresh LRU", RadixMatchIsNotAUse)
-
-
-@caught_by(spec.invariant_radix_agrees_with_chained_hash, "radix = chained hash")
-@caught_by(spec.invariant_radix_match_is_longest, "radix cache")
-def match_drops_last_token() -> Implementation:
-    return _with_radix("broken: radix match drops its last token", MatchDropsLastToken)
-
-
-@caught_by(spec.invariant_radix_sizes_consistent, "radix cache")
-def protected_counts_every_lock() -> Implementation:
-    return _with_radix("broken: protected size counted per lock", ProtectedCountsEveryLock)
-
-
-@caught_by(spec.invariant_radix_evicts_what_was_asked, "radix cache")
-def evicts_one_token_per_call() -> Implementation:
-    return _with_radix("broken: evicts one token per call", EvictsOneTokenPerCall)
-
-
-@caught_by(spec.invariant_radix_locked_never_evicted, "radix cache")
-def whole_leaves_ignoring_locks() -> Implementation:
-    return _with_radix(
-        "broken: whole-leaf eviction ignores locks", WholeLeavesIgnoringLocks, eviction_granularity="whole_leaves"
-    )
-
-
-@caught_by(spec.invariant_radix_match_is_longest, "radix cache")
-def per_node_match_reads_whole_node() -> Implementation:
-    return _with_radix(
-        "broken: per-node recency, match reads whole nodes", PerNodeMatchReadsWholeNode, recency="per_node"
-    )
-
-
-@caught_by(spec.invariant_radix_sizes_consistent, "radix cache")
-def handle_lock_lost_in_split() -> Implementation:
-    return _with_radix("broken: handle lock lost when its node splits", HandleLockLostInSplit, lock_by="handle")
-
-
-@caught_by(spec.invariant_radix_match_is_longest, "radix cache")
-def caches_partial_pages() -> Implementation:
-    return _with_radix("broken: pages of 2, the partial last page cached", CachesPartialPages, page_size=2)
-
-
-@caught_by(spec.invariant_radix_match_is_longest, "radix cache")
-def ignores_extra_keys() -> Implementation:
-    return _with_radix("broken: extra keys ignored", IgnoresExtraKeys, extra_key_namespaces=True)
+ignores_extra_keys = radix(
+    "extra keys ignored",
+    IgnoresExtraKeys,
+    spec.invariant_radix_match_is_longest,
+    conventions=declaring(extra_key_namespaces=True),
+)

@@ -1,19 +1,18 @@
 """Broken page managers: each breaks a rule of ``kvspec.spec.radix_pages`` as an engine could ship it.
 
-Every factory returns an ``Implementation`` whose page manager is a small
+Every member is an ``Implementation`` whose page manager is a small
 subclass of the reference.
 """
 
 from __future__ import annotations
 
-from kvspec.impl.broken import caught_by, member
+from kvspec.impl.broken import members
 from kvspec.impl.radix_cache import RadixCache
 from kvspec.impl.radix_pages import RadixPageManager
 from kvspec.spec import radix_pages as spec
-from kvspec.spec.implementation import Implementation
 from kvspec.spec.radix_pages import RequestId
 
-MACHINE = "radix pages (SGLang's page manager)"
+pages = members("radix_page_manager", "radix pages (SGLang's page manager)")  # a manager, and what catches it
 
 
 class RelocksWhatItCaches(RadixPageManager):
@@ -28,6 +27,11 @@ class RelocksWhatItCaches(RadixPageManager):
             self._cache.lock(held.tokens[: len(held.tokens) - len(held.tokens) % self._page_size])
 
 
+relocks_what_it_caches = pages(
+    "keeps a lock on what a leaving request cached", RelocksWhatItCaches, spec.invariant_pages_quiescent
+)
+
+
 class RetractKeepsLock(RadixPageManager):
     """A request dropped -- aborted, or retracted for decode memory -- frees its pages but skips
     ``dec_lock_ref`` on its matched prefix, which stays protected for good."""
@@ -39,6 +43,9 @@ class RetractKeepsLock(RadixPageManager):
             self._cache.lock(held.tokens[: held.cached])
 
 
+retract_keeps_lock = pages("keeps the lock of a dropped request", RetractKeepsLock, spec.invariant_pages_quiescent)
+
+
 class FreesLastFullPage(RadixPageManager):
     """The partial last page is found as "the page of the last token": when the request ends on a page
     boundary that page is whole, was just inserted into the cache, and goes back to the pool anyway."""
@@ -48,6 +55,11 @@ class FreesLastFullPage(RadixPageManager):
         super().release(request_id, keep)
         if held is not None and keep is True and len(held.tokens) % self._page_size == 0:
             self._return(held.slots[-1:])
+
+
+frees_last_full_page = pages(
+    "frees a cached last page", FreesLastFullPage, spec.invariant_pages_single_owner, spec.invariant_pages_conserved
+)
 
 
 class TrimsTokens(RadixCache):
@@ -68,6 +80,9 @@ class FreesPartialPages(RadixPageManager):
     radix_cache = TrimsTokens
 
 
+frees_partial_pages = pages("evicts partial pages", FreesPartialPages, spec.invariant_pages_evicted_whole)
+
+
 class EvictsBeforeFree(RadixPageManager):
     """Makes room by evicting as many pages as it needs even while free pages would do: no page is lost, but
     the cache empties early and later requests miss what the model of its declared conventions still holds."""
@@ -77,31 +92,4 @@ class EvictsBeforeFree(RadixPageManager):
         return super()._take(count)
 
 
-def broken(name: str, manager: type[RadixPageManager]) -> Implementation:
-    return member(name, radix_page_manager=manager)
-
-
-@caught_by(spec.invariant_pages_quiescent, MACHINE)
-def relocks_what_it_caches() -> Implementation:
-    return broken("keeps a lock on what a leaving request cached", RelocksWhatItCaches)
-
-
-@caught_by(spec.invariant_pages_quiescent, MACHINE)
-def retract_keeps_lock() -> Implementation:
-    return broken("keeps the lock of a dropped request", RetractKeepsLock)
-
-
-@caught_by(spec.invariant_pages_conserved, MACHINE)
-@caught_by(spec.invariant_pages_single_owner, MACHINE)
-def frees_last_full_page() -> Implementation:
-    return broken("frees a cached last page", FreesLastFullPage)
-
-
-@caught_by(spec.invariant_pages_evicted_whole, MACHINE)
-def frees_partial_pages() -> Implementation:
-    return broken("evicts partial pages", FreesPartialPages)
-
-
-@caught_by(spec.invariant_pages_refine_spec, MACHINE)
-def evicts_before_free() -> Implementation:
-    return broken("evicts while pages are free", EvictsBeforeFree)
+evicts_before_free = pages("evicts while pages are free", EvictsBeforeFree, spec.invariant_pages_refine_spec)

@@ -8,14 +8,21 @@ from typing import Any
 
 from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.block_pool import BlockPool
-from kvspec.impl.broken import caught_by, member
+from kvspec.impl.broken import members
 from kvspec.impl.scheduler import Entry, Probe, Scheduler, Tally
 from kvspec.spec import admission, preemption
 from kvspec.spec import scheduler as spec
 from kvspec.spec.admission import admissible
-from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import invariant_failed_operation_changes_nothing, invariant_out_of_contract_call_rejected
 from kvspec.spec.scheduler import Request
+
+# A member: its scheduler (over the reference's pool and manager), and the rules that catch it in that machine.
+MEMORY = {"block_pool": BlockPool, "block_manager": BlockManager}
+recompute = members("scheduler", "scheduler (recompute)", **MEMORY)
+swap = members("scheduler", "scheduler (swap)", **MEMORY)
+deadlock = members("scheduler", "scheduler deadlock freedom", **MEMORY)
+cached = members("scheduler", "scheduler over the prefix cache", **MEMORY)
+priority = members("scheduler", "scheduler (priority)", **MEMORY)
 
 
 class PreemptsOldest(Scheduler):
@@ -25,6 +32,14 @@ class PreemptsOldest(Scheduler):
         return running[0]
 
 
+preempts_oldest = recompute(
+    "scheduler that preempts the oldest",
+    PreemptsOldest,
+    preemption.invariant_oldest_never_preempted,
+    spec.invariant_scheduler_refines_spec,
+)
+
+
 class SwapsPartOfGroup(Scheduler):
     """Swaps out all samples but the last, which stays on the GPU."""
 
@@ -32,11 +47,23 @@ class SwapsPartOfGroup(Scheduler):
         self._gpu.move_sequences(self._cpu, victim.seqs[:-1] or victim.seqs)
 
 
+swaps_part_of_group = swap(
+    "scheduler that swaps part of a group", SwapsPartOfGroup, preemption.invariant_group_on_one_device
+)
+
+
 class ForgetsToFreeOnRecompute(Scheduler):
     """Sends a recomputed group back to waiting without freeing its GPU blocks."""
 
     def _drop_for_recompute(self, victim: Entry) -> None:
         pass
+
+
+forgets_to_free_on_recompute = recompute(
+    "scheduler that forgets to free on recompute",
+    ForgetsToFreeOnRecompute,
+    preemption.invariant_no_leak_across_preemption,
+)
 
 
 class AdmitsOutOfOrder(Scheduler):
@@ -50,11 +77,21 @@ class AdmitsOutOfOrder(Scheduler):
                 self._admit(group, probe, report)
 
 
+admits_out_of_order = recompute(
+    "scheduler that admits out of order", AdmitsOutOfOrder, admission.invariant_admission_in_arrival_order
+)
+
+
 class WaitsForeverOnTooLarge(Scheduler):
     """Queues a request that could never fit the GPU instead of refusing it."""
 
     def _check_fits_alone(self, request: Request) -> None:
         pass
+
+
+waits_forever_on_too_large = recompute(
+    "scheduler that queues requests that can never fit", WaitsForeverOnTooLarge, invariant_out_of_contract_call_rejected
+)
 
 
 class NeverPreempts(Scheduler):
@@ -66,6 +103,9 @@ class NeverPreempts(Scheduler):
             return []
         report.granted.update((group.request.request_id, group.request.n) for group in running)
         return running
+
+
+never_preempts = deadlock("scheduler without preemption", NeverPreempts, preemption.invariant_finishes_within_bound)
 
 
 class RemembersHitLength(Scheduler):
@@ -84,6 +124,13 @@ class RemembersHitLength(Scheduler):
         return self._probes.setdefault(group.request.request_id, super()._probe(group))
 
 
+remembers_hit_length = cached(
+    "scheduler that remembers hit lengths across admission attempts",
+    RemembersHitLength,
+    admission.invariant_hits_probed_at_admission,
+)
+
+
 class CountsHitsTwice(Scheduler):
     """Subtracts the hits from the demand and still counts the free-queue hits as free blocks.
 
@@ -99,6 +146,14 @@ class CountsHitsTwice(Scheduler):
         return Probe(probe.need - revived, probe.cached_tokens)
 
 
+counts_hits_twice = cached(
+    "scheduler that counts hits in both demand and supply",
+    CountsHitsTwice,
+    admission.invariant_watermark_kept,
+    invariant_failed_operation_changes_nothing,
+)
+
+
 class IdleOncePerStep(Scheduler):
     """Decides once per step whether the GPU is idle: every admission after the first skips the watermark too."""
 
@@ -110,6 +165,11 @@ class IdleOncePerStep(Scheduler):
         return admissible(need, self._gpu.pool.num_free(), self._config.watermark, self._idle_at_start)
 
 
+idle_once_per_step = recompute(
+    "scheduler that decides once per step whether the GPU is idle", IdleOncePerStep, admission.invariant_watermark_kept
+)
+
+
 class AdmitsBeforeReady(Scheduler):
     """Admits a request whose remote KV has not arrived yet."""
 
@@ -117,11 +177,23 @@ class AdmitsBeforeReady(Scheduler):
         return True
 
 
+admits_before_ready = cached(
+    "scheduler that admits requests not ready", AdmitsBeforeReady, admission.invariant_not_ready_never_admitted
+)
+
+
 class NotReadyBlocksQueue(Scheduler):
     """Admission stops at a request that is not ready, as at one that does not fit."""
 
     def _admission_candidates(self) -> Iterable[Entry]:
         return itertools.takewhile(lambda group: group.ready, super()._admission_candidates())
+
+
+not_ready_blocks_queue = cached(
+    "scheduler whose queue a request not ready blocks",
+    NotReadyBlocksQueue,
+    admission.invariant_admission_stops_only_when_short,
+)
 
 
 class NotReadyLosesPlace(Scheduler):
@@ -133,11 +205,23 @@ class NotReadyLosesPlace(Scheduler):
             self._groups[rid] = self._groups.pop(rid)
 
 
+not_ready_loses_place = cached(
+    "scheduler that sends a request not ready to the back",
+    NotReadyLosesPlace,
+    admission.invariant_admission_in_arrival_order,
+)
+
+
 class KeepsGrantOfVictim(Scheduler):
     """Takes a preempted group out of the batch but leaves its grant in the step's grants."""
 
     def _revoke_grant(self, victim: Entry, report: Tally) -> None:
         pass
+
+
+keeps_grant_of_victim = priority(
+    "scheduler whose victims keep their grants", KeepsGrantOfVictim, preemption.invariant_preempted_keeps_no_grant
+)
 
 
 class PreemptsLatestArrival(Scheduler):
@@ -147,77 +231,8 @@ class PreemptsLatestArrival(Scheduler):
         return running[-1]
 
 
-def _with_scheduler(name: str, scheduler: type[Scheduler]) -> Implementation:
-    return member(name, block_pool=BlockPool, block_manager=BlockManager, scheduler=scheduler)
-
-
-@caught_by(spec.invariant_scheduler_refines_spec, "scheduler (recompute)")
-@caught_by(preemption.invariant_oldest_never_preempted, "scheduler (recompute)")
-def preempts_oldest() -> Implementation:
-    return _with_scheduler("scheduler that preempts the oldest", PreemptsOldest)
-
-
-@caught_by(preemption.invariant_group_on_one_device, "scheduler (swap)")
-def swaps_part_of_group() -> Implementation:
-    return _with_scheduler("scheduler that swaps part of a group", SwapsPartOfGroup)
-
-
-@caught_by(preemption.invariant_no_leak_across_preemption, "scheduler (recompute)")
-def forgets_to_free_on_recompute() -> Implementation:
-    return _with_scheduler("scheduler that forgets to free on recompute", ForgetsToFreeOnRecompute)
-
-
-@caught_by(admission.invariant_admission_in_arrival_order, "scheduler (recompute)")
-def admits_out_of_order() -> Implementation:
-    return _with_scheduler("scheduler that admits out of order", AdmitsOutOfOrder)
-
-
-@caught_by(invariant_out_of_contract_call_rejected, "scheduler (recompute)")
-def waits_forever_on_too_large() -> Implementation:
-    return _with_scheduler("scheduler that queues requests that can never fit", WaitsForeverOnTooLarge)
-
-
-@caught_by(preemption.invariant_finishes_within_bound, "scheduler deadlock freedom")
-def never_preempts() -> Implementation:
-    return _with_scheduler("scheduler without preemption", NeverPreempts)
-
-
-@caught_by(admission.invariant_hits_probed_at_admission, "scheduler over the prefix cache")
-def remembers_hit_length() -> Implementation:
-    return _with_scheduler("scheduler that remembers hit lengths across admission attempts", RemembersHitLength)
-
-
-@caught_by(invariant_failed_operation_changes_nothing, "scheduler over the prefix cache")
-@caught_by(admission.invariant_watermark_kept, "scheduler over the prefix cache")
-def counts_hits_twice() -> Implementation:
-    return _with_scheduler("scheduler that counts hits in both demand and supply", CountsHitsTwice)
-
-
-@caught_by(admission.invariant_watermark_kept, "scheduler (recompute)")
-def idle_once_per_step() -> Implementation:
-    return _with_scheduler("scheduler that decides once per step whether the GPU is idle", IdleOncePerStep)
-
-
-@caught_by(admission.invariant_not_ready_never_admitted, "scheduler over the prefix cache")
-def admits_before_ready() -> Implementation:
-    return _with_scheduler("scheduler that admits requests not ready", AdmitsBeforeReady)
-
-
-@caught_by(admission.invariant_admission_stops_only_when_short, "scheduler over the prefix cache")
-def not_ready_blocks_queue() -> Implementation:
-    return _with_scheduler("scheduler whose queue a request not ready blocks", NotReadyBlocksQueue)
-
-
-@caught_by(admission.invariant_admission_in_arrival_order, "scheduler over the prefix cache")
-def not_ready_loses_place() -> Implementation:
-    return _with_scheduler("scheduler that sends a request not ready to the back", NotReadyLosesPlace)
-
-
-@caught_by(preemption.invariant_preempted_keeps_no_grant, "scheduler (priority)")
-def keeps_grant_of_victim() -> Implementation:
-    return _with_scheduler("scheduler whose victims keep their grants", KeepsGrantOfVictim)
-
-
-@caught_by(preemption.invariant_victims_rank_below_survivors, "scheduler (priority)")
-def preempts_latest_arrival() -> Implementation:
-    return _with_scheduler("priority scheduler that preempts the latest arrival", PreemptsLatestArrival)
+preempts_latest_arrival = priority(
+    "priority scheduler that preempts the latest arrival",
+    PreemptsLatestArrival,
+    preemption.invariant_victims_rank_below_survivors,
+)

@@ -4,18 +4,22 @@
 
 The tree is SGLang's, built by ``RadixCache.create_simulated(mock_allocator=...,
 page_size=...)``: no GPU memory pool, and a simulated token allocator that records the
-KV indices the tree frees.  One engine call per operation, no check SGLang lacks:
+KV indices the tree frees.  The calls SGLang's scheduler makes, one per operation (two for a
+lock), and no check SGLang lacks:
 
 * ``insert(key, values)`` -> ``insert(InsertParams(key=RadixKey(key), value=values))``;
   the answer is its ``prefix_len``.
 * ``match_prefix(key)`` -> ``match_prefix(MatchPrefixParams(key=RadixKey(key)))``; the
   values are the engine's ``path_device_indices`` of the node it returns.
-* ``lock(key)`` / ``unlock(key)`` -> ``inc_lock_ref(node)`` / ``dec_lock_ref(node)``.
-  SGLang locks node *handles*: its scheduler locks the ``last_device_node`` a match
-  returned, the node where the key's longest cached prefix ends.  The adapter finds that
-  node by reading the tree (``RadixKey.child_key_at`` / ``match_at``, no time stamp) and,
-  where the prefix ends inside a node, cuts it there with the engine's own
-  ``_split_node``, as ``match_prefix`` would; a key with no cached prefix names the root.
+* ``lock(key)`` -> ``inc_lock_ref(match_prefix(MatchPrefixParams(key=...)).last_device_node)``:
+  what SGLang's scheduler does (``schedule_policy``: ``req.lock = tree_cache.lock(req.last_node)``
+  on the node its match returned), so a lock marks and splits exactly as a match does; a
+  key with no cached prefix locks the root, a no-op.
+* ``unlock(key)`` -> ``dec_lock_ref(node)`` on the node where the key's longest cached
+  prefix ends, found by reading the tree (``RadixKey.child_key_at`` / ``match_at``: no time
+  stamp, no split): the node its lock locked.  A key that ends inside a node holds no lock
+  (every lock ends a node); out of contract, the adapter releases the node the key reaches,
+  as a caller releasing a handle it never locked would.
 * ``evict(n)`` -> ``evict(EvictParams(num_tokens=n))``; the evicted values are what the
   tree handed the simulated allocator's ``free_segment``, segment after segment.  A
   segment (a whole leaf) is freed in one call; the adapter lists its tokens deepest
@@ -32,10 +36,16 @@ Conventions, as read from ``sglang/srt/mem_cache/radix_cache.py``:
 * ``eviction_granularity="whole_leaves"``: ``evict`` pops a leaf and frees its whole
   segment (``free_segment(x.value)``, ``num_evicted += len(x.value)``) until at least
   ``num_tokens`` are freed.
-* ``recency="per_node"``: ``_match_prefix_helper`` and ``_insert_helper`` stamp
-  ``last_access_time = time.monotonic()`` on each node they visit; a ``TreeNode`` made
-  after that (the upper part ``_split_node`` cuts off, the new leaf of an insert) is
-  stamped when made, later; ``LRUStrategy`` orders leaves by it.
+* ``recency="per_node"``: ``_match_prefix_helper`` and ``_insert_helper`` read
+  ``access_time = time.monotonic()`` once and set it on each child they visit *before*
+  comparing its key, so a walk ending inside a node stamps the node whole, then
+  ``_split_node`` cuts it: the lower part (the original ``TreeNode``, the unmatched tail)
+  keeps the walk's stamp, the upper part is a new ``TreeNode`` stamped in ``__init__``.
+  An insert's new leaf is a ``TreeNode`` made after the walk, so it is newer; ``LRUStrategy``
+  orders leaves by ``last_access_time``.  ``inc_lock_ref`` / ``dec_lock_ref`` only walk to
+  the root adjusting ``lock_ref``: they neither stamp nor split.  What this leaves
+  unmodelled (the split's upper part stamped after its walk: no eviction order can see it)
+  and in which tier the rest is checked is said in ``kvspec.spec.radix_conventions``.
 * ``lock_by="handle"``: ``inc_lock_ref(node)`` walks from the node to the root,
   ``while node != self.root_node``: locking the root is a no-op.
 * ``page_size``: passed to ``create_simulated``; keys are cut to whole pages
@@ -166,10 +176,11 @@ class SglangRadixCache:
         return int(self.engine.insert(self._sgl.InsertParams(key=self._key(key, extra_key), value=tensor)).prefix_len)
 
     def lock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None:
-        self.engine.inc_lock_ref(self._handle(key, extra_key))
+        params = self._sgl.MatchPrefixParams(key=self._key(key, extra_key))
+        self.engine.inc_lock_ref(self.engine.match_prefix(params).last_device_node)
 
     def unlock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None:
-        self.engine.dec_lock_ref(self._handle(key, extra_key))
+        self.engine.dec_lock_ref(self._reached(key, extra_key))
 
     def evict(self, num_tokens: int) -> tuple[int, ...]:
         start = len(self.allocator.freed)
@@ -209,19 +220,19 @@ class SglangRadixCache:
 
     # -- handles -------------------------------------------------------------------------
 
-    def _handle(self, key: Sequence[int], extra_key: ExtraKey) -> Any:
-        """The node where the longest cached prefix of ``key`` ends (the root if none), as a match finds it."""
+    def _reached(self, key: Sequence[int], extra_key: ExtraKey) -> Any:
+        """The deepest node the longest cached prefix of ``key`` reaches (the root if none), read off the tree."""
         engine, page_size = self.engine, self.engine.page_size
         radix_key = self._key(key, extra_key).page_aligned(page_size)
         node, depth = engine.root_node, 0
         while depth < len(radix_key):
             child = node.children.get(radix_key.child_key_at(depth, page_size))
-            if child is None:
+            shared = 0 if child is None else child.key.match_at(radix_key, depth, page_size)
+            if not shared:
                 break
-            shared = child.key.match_at(radix_key, depth, page_size)
-            if shared < len(child.key):
-                return engine._split_node(child.key, child, shared) if shared else node
             node, depth = child, depth + shared
+            if shared < len(child.key):
+                break
         return node
 
 
@@ -231,7 +242,7 @@ def factory_with_page_size(page_size: int) -> Callable[[], Implementation]:
         name = f"SGLang {engine_version()} RadixCache" + (f" (page size {page_size})" if page_size != 1 else "")
         return Implementation(
             name=name,
-            # lock and unlock find the node a match would return, and split it there, by reading the tree
+            # lock is two engine calls (match_prefix, inc_lock_ref); unlock reads the tree for the node to release
             radix_cache=Offer(functools.partial(SglangRadixCache, page_size), emulated={"lock", "unlock"}),
             conventions=conventions(page_size),
         )

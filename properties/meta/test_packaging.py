@@ -22,7 +22,13 @@ def test_the_wheel_holds_one_namespace() -> None:
     assert {"kvspec.spec", "kvspec.impl", "kvspec.properties", "kvspec.experiments"} <= set(packages)
 
 
-def test_the_wheel_leaves_out_the_meta_and_figure_tests() -> None:
+def test_the_wheel_leaves_out_the_repositorys_own_tests() -> None:
     packages = set(installed_packages())
-    assert "kvspec.properties.meta" not in packages
-    assert "kvspec.experiments.tests" not in packages
+    assert {"kvspec.properties.meta", "kvspec.experiments.tests", "kvspec.adapters.tests"}.isdisjoint(packages)
+    assert "kvspec.adapters" in packages
+
+
+def test_the_machines_it_ships_are_the_conformance_suite() -> None:
+    """``pytest --pyargs kvspec.properties`` runs the product machines, and no test of this repository."""
+    shipped = {path.name for path in (ROOT / "properties").glob("test_*.py")}
+    assert shipped and not {name for name in shipped if "adapter" in name or "figure" in name}
