@@ -1,4 +1,7 @@
-"""The reference implementation of kvspec (imports only ``spec``'s protocols and errors)."""
+"""The reference implementation: a class per layer, and ``reference()``, the record that offers them all.
+
+It imports nothing of kvspec but ``kvspec.spec`` (protocols, errors, and the declaration records).
+"""
 
 from __future__ import annotations
 

@@ -59,6 +59,9 @@ from hypothesis.control import current_build_context
 from hypothesis.errors import DidNotReproduce, Flaky, Unsatisfiable
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, run_state_machine_as_test
 
+if __name__ != "kvspec.properties.harness":  # a second copy would bind machines and file findings of its own
+    raise ImportError(f"import kvspec.properties.harness, not {__name__}: kvspec is installed as one namespace")
+
 from kvspec.spec.components import DeclarationError
 from kvspec.spec.errors import InvalidOperation, KVSpecError, verdict
 from kvspec.spec.implementation import Implementation

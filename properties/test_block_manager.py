@@ -207,8 +207,6 @@ class BlockManagerMachine(LockstepMachine):
 
     @invariant()
     def managers_match_spec(self) -> None:
-        if not hasattr(self, "devices"):
-            return
         for device in self.devices.values():
             state = device.snapshot()
             self.check_group(model.STATE, state)

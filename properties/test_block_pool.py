@@ -155,8 +155,6 @@ class BlockPoolMachine(LockstepMachine):
 
     @invariant()
     def pool_matches_spec(self) -> None:
-        if not hasattr(self, "pool"):
-            return
         state, pool = self.pool.snapshot(), self.pool.impl
         self.check_group(model.STATE, state, self.held)
         refcounts = [pool.refcount(block) for block in range(state.capacity)]

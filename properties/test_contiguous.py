@@ -121,8 +121,6 @@ class ContiguousMachine(LockstepMachine):
 
     @invariant()
     def arena_matches_spec(self) -> None:
-        if not hasattr(self, "arena"):
-            return
         state = self.arena.snapshot()
         self.check_group(model.ARENA, state)
         self.check(model.invariant_ledger_exact, self.arena.impl.ledger(self.final_lengths), state, self.final_lengths)

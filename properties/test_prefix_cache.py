@@ -326,8 +326,6 @@ class PrefixCacheMachine(LockstepMachine):
 
     @invariant()
     def matches_spec(self) -> None:
-        if not hasattr(self, "manager"):
-            return
         state = self.manager.snapshot()
         expected = model.abstract(self.manager.model)
         self.check_group(block_manager.STATE, state)

@@ -177,8 +177,6 @@ class RadixCacheMachine(LockstepMachine):
 
     @invariant()
     def matches_spec(self) -> None:
-        if not hasattr(self, "radix"):
-            return
         state, cache = self.radix.snapshot(), self.radix.impl
         self.check_group(model.STATE, state, cache.total_size(), cache.evictable_size(), cache.protected_size())
         self.check(model.invariant_radix_refines_spec, state, model.abstract(self.radix.model))

@@ -280,10 +280,9 @@ class SchedulerMachine(SchedulerMachineBase):
 
     @invariant()
     def matches_model(self) -> None:
-        if hasattr(self, "scheduler"):
-            state = self.scheduler.impl.snapshot()
-            self.check_state(state)
-            self.check(invariant_scheduler_refines_spec, state, model.abstract(self.scheduler.model))
+        state = self.scheduler.impl.snapshot()
+        self.check_state(state)
+        self.check(invariant_scheduler_refines_spec, state, model.abstract(self.scheduler.model))
 
 
 class SwapSchedulerMachine(SchedulerMachine):

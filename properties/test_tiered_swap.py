@@ -256,8 +256,6 @@ class TieredSwapMachine(LockstepMachine):
 
     @invariant()
     def matches_spec(self) -> None:
-        if not hasattr(self, "device"):
-            return
         state = self.device.snapshot()
         self.check_group(model.STATE, state)
         self.check(model.invariant_manager_refines_spec, state, model.abstract(self.device.model))

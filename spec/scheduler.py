@@ -256,13 +256,15 @@ Memory = Manager | CachingManager
 
 @attrs.frozen
 class Model:
+    """A ``SchedulerState`` whose devices are the spec's manager models; a new one has seen no request."""
+
     config: SchedulerConfig
-    steps: int
-    arrived: tuple[RequestId, ...]
-    groups: tuple[Group, ...]
-    finished: tuple[RequestId, ...]
     gpu: Memory
     cpu: Memory
+    steps: int = 0
+    arrived: tuple[RequestId, ...] = ()
+    groups: tuple[Group, ...] = ()
+    finished: tuple[RequestId, ...] = ()
 
 
 def memory(device: Memory) -> ModuleType:
@@ -283,19 +285,13 @@ def new_model(gpu: Memory, cpu: Memory, config: SchedulerConfig) -> Model:
     if tables_of(gpu).block_size != tables_of(cpu).block_size or type(gpu) is not type(cpu):
         raise InvalidOperation(f"unlike devices: a GPU {type(gpu).__name__}, a CPU {type(cpu).__name__}")
     check_config(config)
-    return Model(config=config, steps=0, arrived=(), groups=(), finished=(), gpu=gpu, cpu=cpu)
+    return Model(config, gpu, cpu)
 
 
 def abstract(model: Model) -> SchedulerState:
-    return SchedulerState(
-        config=model.config,
-        steps=model.steps,
-        arrived=model.arrived,
-        groups=model.groups,
-        finished=model.finished,
-        gpu=memory(model.gpu).abstract(model.gpu),
-        cpu=memory(model.cpu).abstract(model.cpu),
-    )
+    """The model as a snapshot reads: each device's model seen through its own layer's ``abstract``."""
+    devices = {name: memory(device).abstract(device) for name, device in (("gpu", model.gpu), ("cpu", model.cpu))}
+    return SchedulerState(model.config, model.steps, model.arrived, model.groups, model.finished, **devices)
 
 
 def arrive(model: Model, request: Request) -> Model:

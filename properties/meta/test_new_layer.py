@@ -43,8 +43,7 @@ class SlotMachine(LockstepMachine):
 
     @invariant()
     def matches_spec(self) -> None:
-        if hasattr(self, "slots"):
-            self.check(request_slots.invariant_slots_refine_spec, self.slots.snapshot(), self.slots.model)
+        self.check(request_slots.invariant_slots_refine_spec, self.slots.snapshot(), self.slots.model)
 
 
 TestSlots = conformance_test(SlotMachine)  # under kvspec's own run: not offered (the reference has no slot_pool)
