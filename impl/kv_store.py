@@ -12,10 +12,11 @@ nothing.  Every convention of ``StoreConventions`` is supported: the factory
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import attrs
 
@@ -48,11 +49,53 @@ class Ghosts:
     target: float = 0.0
 
 
+class Tier:
+    """One tier of one node: its keys kept sorted in policy order as copies come, go and are used.
+
+    The order is a sort on a rank: (last use) for LRU, (uses, last use) for LFU, (used again, last use)
+    for ARC -- recent copies first, then frequent ones.  A last use is a tick of the store's clock, so
+    no two copies of a node share a rank.
+    """
+
+    def __init__(self, policy: StorePolicy) -> None:
+        self.policy = policy
+        self._entries: list[tuple[tuple[int, ...], Hashable]] = []
+        self._ranks: dict[Hashable, tuple[int, ...]] = {}
+
+    def rank(self, block: Block) -> tuple[int, ...]:
+        if self.policy == "lfu":
+            return block.uses, block.last_use
+        return (int(block.frequent), block.last_use) if self.policy == "arc" else (block.last_use,)
+
+    def add(self, key: Hashable, block: Block) -> None:
+        rank = self._ranks[key] = self.rank(block)
+        bisect.insort(self._entries, (rank, key))
+
+    def discard(self, key: Hashable) -> None:
+        rank = self._ranks.pop(key, None)
+        if rank is not None:
+            del self._entries[bisect.bisect_left(self._entries, (rank,))]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._ranks
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return (key for _, key in self._entries)
+
+    def lists(self) -> tuple[list[Hashable], list[Hashable]]:
+        """ARC's recent and frequent lists, each least recently used first."""
+        recent = [key for rank, key in self._entries if not rank[0]]
+        return recent, [key for rank, key in self._entries[len(recent) :]]
+
+
 class Node:
-    def __init__(self, tiers: int) -> None:
+    def __init__(self, policies: Sequence[StorePolicy]) -> None:
         self.blocks: dict[Hashable, Block] = {}
-        self.tiers: list[set[Hashable]] = [set() for _ in range(tiers)]
-        self.ghosts = [Ghosts() for _ in range(tiers)]
+        self.tiers = [Tier(policy) for policy in policies]
+        self.ghosts = [Ghosts() for _ in policies]
 
 
 class KVStore:
@@ -74,7 +117,7 @@ class KVStore:
         self.capacities = tuple(capacities)
         self.policies = tuple(policies)
         self.conventions = conventions
-        self._nodes: list[Node | None] = [Node(len(names)) for _ in range(nodes)]
+        self._nodes: list[Node | None] = [Node(self.policies) for _ in range(nodes)]
         self._directory: dict[Hashable, set[int]] = {}
         self._clock = 0
         self._now = 0.0
@@ -82,14 +125,11 @@ class KVStore:
     # -- policy order -------------------------------------------------------------------
 
     def _order(self, node: Node, tier: int, target: float | None = None) -> list[Hashable]:
-        blocks = node.blocks
-        if self.policies[tier] == "lfu":
-            return sorted(node.tiers[tier], key=lambda key: (blocks[key].uses, blocks[key].last_use))
-        by_recency = sorted(node.tiers[tier], key=lambda key: blocks[key].last_use)
-        if self.policies[tier] == "lru":
-            return by_recency
-        recent = [key for key in by_recency if not blocks[key].frequent]
-        frequent = [key for key in by_recency if blocks[key].frequent]
+        if self.conventions.victims == "engine":  # the evictor picks: no order to state, keys by repr
+            return sorted(node.tiers[tier], key=repr)
+        if self.policies[tier] != "arc":
+            return list(node.tiers[tier])
+        recent, frequent = node.tiers[tier].lists()
         bound = int(node.ghosts[tier].target if target is None else target)
         order = []
         while recent or frequent:
@@ -101,10 +141,8 @@ class KVStore:
 
     def _victim(self, node: Node, tier: int, target: float | None = None) -> Hashable | None:
         if self.policies[tier] != "arc":
-            return next((key for key in self._order(node, tier) if self._free(node.blocks[key])), None)
-        by_recency = sorted(node.tiers[tier], key=lambda key: node.blocks[key].last_use)
-        recent = [key for key in by_recency if not node.blocks[key].frequent]
-        frequent = [key for key in by_recency if node.blocks[key].frequent]
+            return next((key for key in node.tiers[tier] if self._free(node.blocks[key])), None)
+        recent, frequent = node.tiers[tier].lists()
         bound = int(node.ghosts[tier].target if target is None else target)
         lists = [recent, frequent, recent] if len(recent) >= bound else [frequent, recent]
         return next((key for keys in lists for key in keys if self._free(node.blocks[key])), None)
@@ -182,8 +220,8 @@ class KVStore:
     def _move(self, node: Node, key: Hashable, tier: int) -> None:
         block = node.blocks[key]
         node.tiers[block.tier].discard(key)
-        node.tiers[tier].add(key)
         block.tier = tier
+        node.tiers[tier].add(key, block)
         self._admit(node, tier, key)
 
     def _drop(self, index: int, node: Node, key: Hashable) -> None:
@@ -196,7 +234,7 @@ class KVStore:
 
     def _insert(self, index: int, node: Node, key: Hashable, block: Block) -> None:
         node.blocks[key] = block
-        node.tiers[block.tier].add(key)
+        node.tiers[block.tier].add(key, block)
         self._directory.setdefault(key, set()).add(index)
         self._admit(node, block.tier, key)
 
@@ -204,8 +242,13 @@ class KVStore:
         self._clock += 1
         return self._clock
 
-    def _use(self, block: Block) -> None:
+    def _use(self, node: Node, key: Hashable) -> None:
+        block, tier = node.blocks[key], node.tiers[node.blocks[key].tier]
+        in_tier = key in tier  # a copy being promoted is out of every tier for the while
+        tier.discard(key)
         block.uses, block.last_use, block.frequent = block.uses + 1, self._tick(), True
+        if in_tier:
+            tier.add(key, block)
 
     def _in_use(self, block: Block) -> bool:
         return not self._free(block)
@@ -223,7 +266,7 @@ class KVStore:
         if replicas and self.conventions.reput != "refresh":
             mine = here.blocks.get(key)
             if self.conventions.reput == "touch" and mine is not None and mine.ready:
-                self._use(mine)
+                self._use(here, key)
             return
         in_flight = [n for n, block in replicas if self._in_use(block) and block.tokens != contents]
         if in_flight:
@@ -234,12 +277,13 @@ class KVStore:
             self._write_replicas(node, replicas, contents)
             self._apply(node, here, plan, key, 0)
             ready = self.conventions.stores == "immediate"
-            self._insert(node, here, key, Block(tier=0, tokens=contents, uses=1, last_use=self._tick(), ready=ready))
+            block = Block(tier=0, tokens=contents, uses=1, last_use=self._tick(), ready=ready)
+            self._insert(node, here, key, self._leased_from_the_start(block))
             return
         if self._promotable(mine) and not self._promote(node, here, key):
             raise OutOfBlocks(1, 0, what=f"free slots in node {node}'s {self.conventions.tiers[0]} tier")
         self._write_replicas(node, replicas, contents)
-        self._use(mine)
+        self._use(here, key)
 
     def _write_replicas(self, writer: int, replicas: list[tuple[int, Block]], contents: Tokens) -> None:
         for _, block in replicas:
@@ -255,11 +299,11 @@ class KVStore:
         try:
             plan = self._room_plan(node, 0, key)
         except OutOfBlocks:
-            node.tiers[block.tier].add(key)
+            node.tiers[block.tier].add(key, block)
             return False
         self._apply(index, node, plan, key, 0)
         block.tier = 0
-        node.tiers[0].add(key)
+        node.tiers[0].add(key, block)
         self._admit(node, 0, key)
         return True
 
@@ -268,7 +312,7 @@ class KVStore:
         block = here.blocks.get(key)
         if block is None or not block.ready:
             return None
-        self._use(block)
+        self._use(here, key)
         if self._promotable(block):
             self._promote(node, here, key)
         if self.conventions.read_lease:
@@ -308,7 +352,13 @@ class KVStore:
             raise InvalidOperation(f"node {target} already holds block {key!r}")
         plan = self._room_plan(there, 0, key)
         self._apply(target, there, plan, key, 0)
-        self._insert(target, there, key, Block(tier=0, tokens=origin.blocks[key].tokens, uses=1, last_use=self._tick()))
+        block = Block(tier=0, tokens=origin.blocks[key].tokens, uses=1, last_use=self._tick())
+        self._insert(target, there, key, self._leased_from_the_start(block))
+
+    def _leased_from_the_start(self, block: Block) -> Block:
+        if self.conventions.leases_new_copies:
+            block.lease_until = self._now + self.conventions.read_lease
+        return block
 
     def pin(self, node: int, key: Hashable) -> None:
         block = self._held(node, key)
@@ -333,7 +383,7 @@ class KVStore:
             raise InvalidOperation(f"node {node!r} is not a node of this store (0..{len(self._nodes) - 1})")
         if self._nodes[node] is not None:
             raise InvalidOperation(f"node {node} is alive: only a failed node restarts")
-        self._nodes[node] = Node(len(self.capacities))
+        self._nodes[node] = Node(self.policies)
 
     def lookup(self, key: Hashable) -> tuple[Location, ...]:
         return tuple(sorted((n, self._tier_of(n, key)) for n in self._directory.get(key, ())))
@@ -409,11 +459,11 @@ class KVStore:
             raise InvalidOperation(f"tier {tier!r} is not a tier (0..{len(names) - 1}: {', '.join(names)})")
 
     def _arc_lists(self, node: Node, tier: int) -> ArcLists:
-        by_recency = sorted(node.tiers[tier], key=lambda key: node.blocks[key].last_use)
+        recent, frequent = node.tiers[tier].lists()
         ghosts = node.ghosts[tier]
         return ArcLists(
-            recent=tuple(key for key in by_recency if not node.blocks[key].frequent),
-            frequent=tuple(key for key in by_recency if node.blocks[key].frequent),
+            recent=tuple(recent),
+            frequent=tuple(frequent),
             recent_ghosts=tuple(ghosts.recent),
             frequent_ghosts=tuple(ghosts.frequent),
             target=ghosts.target,

@@ -73,6 +73,7 @@ class KVStoreMachine(LockstepMachine):
         self.lost_in_fault: set[Key] = set()
         self.refused: tuple[Callable[..., Any], tuple[Any, ...]] | None = None  # the put, get or replication
         self.served: set[Tokens] = set()
+        self.evicted: set[tuple[Place, Tokens]] = set()  # copies that left their node, and what they held
         self.background = declared.eviction == "background" and self.offers("kv_store", "settle")
         # Most runs start with a hot block on two nodes: replicas are rare otherwise, and stale ones hide there.
         if (
@@ -108,13 +109,16 @@ class KVStoreMachine(LockstepMachine):
         judge(before, after, answer.actual)
         self.check(invariants.invariant_result_matches_spec, answer.expected, answer.actual)
         self.check(model.invariant_pinned_never_evicted, before, after, released)
-        dropped = ()
+        dropped: tuple[Place, ...] = ()
         if self.background:
             settled, dropped = after, self._settle()
             after = self.store.snapshot()
             self.check(model.invariant_pinned_never_evicted, settled, after)
         now = model.abstract(self.store.model).contents
         chosen = [place for place in expected_before.contents if place not in now] + list(dropped)
+        self.evicted.update(
+            (place, expected_before.contents[place]) for place in chosen if place in expected_before.contents
+        )
         self.check(model.invariant_demotion_keeps_the_block, before, after, chosen, against_model=True)
         return True, answer.actual
 
@@ -148,14 +152,25 @@ class KVStoreMachine(LockstepMachine):
     @rule(data=st.data(), key=KEYS, tokens=CONTENTS)
     def put(self, data: st.DataObject, key: str, tokens: Tokens) -> None:
         self.revisit(data)
-        self._put(self.node(data), key, tokens)
+        node = self.node(data)
+        if self._put(node, key, tokens):
+            self.transfer_ends(data, node, key)
+
+    def transfer_ends(self, data: st.DataObject, node: int, key: Key) -> None:
+        """Drawn inside the put rules, so that swarm testing never turns it off: where the store is pending, the
+        transfer often ends at once, as often failed as arrived."""
+        copy = self.store.model.copies.get((node, key))
+        if copy is not None and not copy.ready:
+            outcome = data.draw(st.sampled_from(["pending", "arrived", "failed"]), label="the store's transfer")
+            if outcome != "pending":
+                self._complete(node, key, outcome == "arrived")
 
     def revisit(self, data: st.DataObject) -> None:
         """Drawn inside the common rules, so that swarm testing never turns it off: as often as not, the call
         refused last again; as often, a document served before is served again, on the node it was or another."""
         if self.refused is not None and data.draw(st.booleans(), label="retry the refused call first"):
             self.retry_refused()
-        if self.served and data.draw(st.booleans(), label="serve an earlier document"):
+        if bool(self.served) and data.draw(st.booleans(), label="serve an earlier document"):
             document = data.draw(st.sampled_from(sorted(self.served)), label="earlier document")
             self._serve(data.draw(st.integers(0, len(self.store.model.alive) - 1), label="node"), document)
 
@@ -172,6 +187,16 @@ class KVStoreMachine(LockstepMachine):
         if ok and replicated and self.conventions.store.reput == "refresh":
             event("re-put of a replicated block")
         return ok
+
+    @precondition(lambda self: self.evicted)
+    @rule(data=st.data())
+    def reput_evicted(self, data: st.DataObject) -> None:
+        """A block that left a node is stored there again, as a request that needs it again recomputes it:
+        the key an adaptive policy remembers (a ghost), often while the store is full of copies in use."""
+        (node, key), tokens = data.draw(st.sampled_from(sorted(self.evicted, key=repr)), label="evicted copy")
+        if self.store.model.alive[node] and self._put(node, key, tokens):
+            event("revisit: stored a block again after its eviction")
+            self.transfer_ends(data, node, key)
 
     def _complete_if_pending(self, node: int, key: Key) -> bool:
         """A pending store completed (the transfer arrived); whether the copy is now readable."""
@@ -326,8 +351,9 @@ class KVStoreMachine(LockstepMachine):
     def complete(self, data: st.DataObject, ok: bool) -> None:
         """A pending store's transfer arrives (ok) or fails; sometimes a late completion of one that is not
         pending (it changes nothing)."""
-        node, key = data.draw(st.sampled_from(self.pending() or self.held()), label="copy")
+        self._complete(*data.draw(st.sampled_from(self.pending() or self.held()), label="copy"), ok)
 
+    def _complete(self, node: int, key: Key, ok: bool) -> None:
         def failed_leaves_miss(before: StoreState, after: StoreState, _: object) -> None:
             if (node, key) in before.pending and not ok:
                 self.check(model.invariant_failed_store_leaves_miss, after, node, key)
@@ -361,7 +387,7 @@ class KVStoreMachine(LockstepMachine):
         """Drop a copy on request; one in use (pinned, leased, pending) is out of contract: the caller must
         wait for the transfer that holds it."""
         in_use = [place for place in self.held() if model.in_use(self.store.model, self.store.model.copies[place])]
-        choices = in_use if in_use and data.draw(st.booleans(), label="one in use") else self.held()
+        choices = in_use if bool(in_use) and data.draw(st.booleans(), label="one in use") else self.held()
         node, key = data.draw(st.sampled_from(choices), label="copy")
         if self._op("remove", node, key)[0]:
             self.retry_refused()
@@ -497,7 +523,13 @@ PROFILES = {
         tiers=("cpu", "ssd"), max_nodes=1, policies=("lru", "lfu"), reput="skip", promotion=False
     ),
     "leases, background eviction by the engine (Mooncake)": StoreConventions(
-        tiers=("cpu",), policies=("lru",), reput="skip", read_lease=600.0, eviction="background", victims="engine"
+        tiers=("cpu",),
+        policies=("lru",),
+        reput="skip",
+        read_lease=600.0,
+        leases_new_copies=True,
+        eviction="background",
+        victims="engine",
     ),
     "leases that run out, background eviction past a watermark": StoreConventions(
         read_lease=2.0, eviction="background", watermark=0.6

@@ -24,7 +24,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import block_manager as model
 from kvspec.spec import block_pool, kv_store, tiered_swap
-from kvspec.spec.block_pool import Policy
+from kvspec.spec.conventions import StorePolicy
 from kvspec.spec.invariants import invariant_result_matches_spec
 from kvspec.spec.kv_store import TIERS, Key
 
@@ -44,7 +44,8 @@ class TieredSwapMachine(LockstepMachine):
         blocks = data.draw(st.integers(3, 8), label="device blocks")
         block_size = data.draw(st.integers(1, 3), label="block size")
         factor = data.draw(st.sampled_from([2, 3, 2, 3, 1]), label="device blocks per tier block")
-        capacities = tuple(data.draw(st.integers(1, 3), label=f"{tier} capacity") for tier in TIERS)
+        declared = self.conventions.store  # the store's shape and policies, as it declares them
+        capacities = tuple(data.draw(st.integers(1, 3), label=f"{tier} capacity") for tier in declared.tiers)
         policy = data.draw(st.sampled_from(self.conventions.pool.policies), label="policy")
         self.record(
             f"device = manager(blocks={blocks}, block_size={block_size}, policy={policy!r}); "
@@ -54,9 +55,10 @@ class TieredSwapMachine(LockstepMachine):
         pool = block_pool.new_pool(blocks, policy, self.conventions.pool)
         manager = impl.component("block_manager")(impl.component("block_pool")(blocks, policy), block_size)
         self.device = self.subject("device", (model, tiered_swap), model.new_manager(pool, block_size), manager)
-        policies: tuple[Policy, ...] = ("lru", "lru", "lru")
+        stored: StorePolicy = "lru" if "lru" in declared.policies else declared.policies[0]
+        policies = (stored,) * len(declared.tiers)
         store = impl.component("kv_store")(1, capacities, policies)
-        self.store = self.subject("store", kv_store, kv_store.new_store(1, capacities, policies), store)
+        self.store = self.subject("store", kv_store, kv_store.new_store(1, capacities, policies, declared), store)
         self.block_size, self.factor = block_size, factor
         # a prompt of 2 to factor + 1 device blocks, one a swap-out can cut inside a tier block; its tokens
         # distinct, so that a block loaded from the wrong slice holds other tokens than the right one
@@ -178,13 +180,27 @@ class TieredSwapMachine(LockstepMachine):
         inside_mostly = st.sampled_from(inside) | st.sampled_from(inside) | cuts if inside else cuts
         keep = data.draw(inside_mostly, label="blocks kept resident")
         tiers = tiered_swap.tier_blocks(tokens, self.tier_block_size, keep // self.factor)
-        if not all(self.store("put", NODE, key, list(contents)) is not None for key, contents in tiers):
+        if not all(self.store_block(key, contents) for key, contents in tiers):
             return
         if self.device("truncate", seq, keep) is not None:
             self.swapped[seq] = (tokens, [key for key, _ in tiers])
             event("swapped out mid tier block" if keep % self.factor else "swapped out at a tier block's edge")
             if data.draw(st.booleans(), label="swap it straight back in"):
                 self.swap_in_seq(seq)
+
+    def store_block(self, key: Key, contents: tuple[int, ...]) -> bool:
+        """Put one tier block; where stores are pending, its transfer completes; where eviction runs in the
+        background, the evictor runs after it.  Whether the store holds it."""
+        if self.store("put", NODE, key, list(contents)) is None:
+            return False
+        copy = self.store.model.copies.get((NODE, key))
+        if copy is not None and not copy.ready:
+            self.store("complete", NODE, key, True)
+        if self.conventions.store.eviction == "background" and self.offers("kv_store", "settle"):
+            answer = self.store("settle", judged_by=None)
+            if answer is not None and self.conventions.store.victims == "engine":
+                self.store.model = kv_store.evicted_by_engine(self.store.model, answer.actual)
+        return (NODE, key) in self.store.model.copies
 
     @precondition(lambda self: self.swapped)
     @rule(slot=SLOTS)
@@ -243,7 +259,8 @@ class TieredSwapMachine(LockstepMachine):
     @rule(tier=st.integers(0, len(TIERS) - 1), evict=st.booleans())
     def store_pressure(self, tier: int, evict: bool) -> None:
         """The store makes room for other traffic: a tier block goes down a tier, or out of the store."""
-        if evict or tier == len(TIERS) - 1:
+        tier = min(tier, len(self.store.model.capacities) - 1)
+        if evict or tier == len(self.store.model.capacities) - 1:
             answer = self.store("evict", NODE, tier)
             if answer is not None and answer.actual is not None:
                 event("evicted a tier block")

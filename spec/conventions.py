@@ -87,6 +87,7 @@ class StoreConventions:
     reput: Literal["refresh", "touch", "skip"] = "refresh"  # a put of a key the store holds
     stores: Literal["immediate", "pending"] = "immediate"  # pending: readable once completed
     read_lease: float = 0.0  # seconds of model time a hit leases (pins) the copy for
+    leases_new_copies: bool = False  # a copy is leased from the moment it is stored (put, replica) too
     eviction: Literal["on_demand", "background"] = "on_demand"
     watermark: float = 1.0  # background: a tier holding this share of its capacity is evicted at settle
     victims: Literal["policy", "engine"] = "policy"  # who picks the background evictor's victims

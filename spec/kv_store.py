@@ -58,7 +58,8 @@ Conventions (``spec.conventions.StoreConventions``; the reference's in brackets)
   that is not pending changes nothing: transfer workers report late.
 * ``read_lease`` -- seconds [0: none] a hit leases the copy for: a leased copy
   is in use until model time passes the lease's end.  Model time moves only
-  by ``advance(seconds)``, never with the wall clock.
+  by ``advance(seconds)``, never with the wall clock.  ``leases_new_copies``
+  [off]: a stored copy (put or replica) is leased from the start too.
 * ``eviction`` -- ``on_demand`` [a put evicts when it needs room] or
   ``background``: a put into a full tier is refused (``OutOfBlocks``), and
   ``settle()`` -- the background evictor's work, done -- makes room in every
@@ -67,7 +68,8 @@ Conventions (``spec.conventions.StoreConventions``; the reference's in brackets)
   ``settle`` after every operation, before comparing, so that a background
   evictor is checked exactly, not "eventually".  With ``victims="engine"`` the
   engine picks its own victims: the model takes the ones ``settle`` answers,
-  and the safety rules judge them.
+  the safety rules judge them, and a tier's keys are listed by repr (there is
+  no order to state).
 * ``promotion`` [on] -- a hit moves the copy to the first tier; off, it is
   read where it is.
 * ``remove(node, key)`` drops the node's copy; a forced remove of a copy in
@@ -303,10 +305,15 @@ def invariant_pinned_never_evicted(before: StoreState, after: StoreState, releas
 def invariant_demotion_keeps_the_block(
     before: StoreState, after: StoreState, chosen: Sequence[tuple[int, Key]]
 ) -> str | None:
-    lost = [place for place in _held_copies(before) if place not in after.contents and place not in chosen]
-    lost = [(node, key) for node, key in lost if after.alive[node]]
-    if lost:
-        return f"copies {lost} vanished without being chosen for eviction (chosen: {list(chosen)})"
+    """``chosen``: the copies the operation had to drop.  Which victim a tier gives up is its policy's (a
+    convention); how many copies leave each tier is not."""
+    held = _held_copies(before)
+    lost = [(node, key) for node, key in held if (node, key) not in after.contents and after.alive[node]]
+    for node, tier in sorted({(node, held[(node, key)]) for node, key in lost}):
+        went = [key for n, key in lost if n == node and held[(n, key)] == tier]
+        allowed = sum(1 for n, key in chosen if n == node and held.get((n, key)) == tier)
+        if len(went) > allowed:
+            return f"copies {went} left node {node}'s {before.names[tier]} tier, but only {allowed} had to go (chosen: {list(chosen)})"
     return None
 
 

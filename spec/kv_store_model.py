@@ -191,7 +191,7 @@ def put(store: Store, node: int, key: Key, tokens: Sequence[int]) -> Store:
     if node not in replicas:
         clock = store.clock + 1
         fresh = Copy(tier=0, tokens=contents, uses=1, last_use=clock, ready=store.conventions.stores == "immediate")
-        return place(attrs.evolve(store, clock=clock), node, key, fresh)
+        return place(attrs.evolve(store, clock=clock), node, key, leased_from_the_start(store, fresh))
     moving = replicas[node].tier != 0 and store.conventions.promotion and not in_use(store, replicas[node])
     store = use(store, node, key)
     return place(without(store, node, key), node, key, store.copies[(node, key)]) if moving else store
@@ -244,7 +244,14 @@ def replicate(store: Store, key: Key, source: int, target: int) -> Store:
         raise InvalidOperation(f"node {target} already holds block {key!r}")
     clock = store.clock + 1
     fresh = Copy(tier=0, tokens=copy.tokens, uses=1, last_use=clock)
-    return place(attrs.evolve(store, clock=clock), target, key, fresh)
+    return place(attrs.evolve(store, clock=clock), target, key, leased_from_the_start(store, fresh))
+
+
+def leased_from_the_start(store: Store, copy: Copy) -> Copy:
+    """A new copy, leased at once where the conventions say stored copies are."""
+    if not store.conventions.leases_new_copies:
+        return copy
+    return attrs.evolve(copy, lease_until=store.now + store.conventions.read_lease)
 
 
 def pin(store: Store, node: int, key: Key) -> Store:

@@ -118,7 +118,10 @@ def ghosts(store: Store, node: int, tier: int) -> Ghosts:
 
 
 def eviction_order(store: Store, node: int, tier: int) -> tuple[Key, ...]:
-    """The keys of one tier of one node, the first victim at the head."""
+    """The keys of one tier of one node, the first victim at the head; where the engine picks its own victims
+    there is no order to state, and the keys are listed by repr."""
+    if store.conventions.victims == "engine":
+        return tuple(sorted((key for key, _ in entries(store, node, tier)), key=repr))
     return policy_order(store.policies[tier], entries(store, node, tier), ghosts(store, node, tier))
 
 

@@ -135,7 +135,7 @@ class ReadsTheSwappedBuffer(KVStore):
             return super().get(node, key)
         gpu = set(here.tiers[0])
         tokens = super().get(node, key)
-        swapped = sorted(gpu - here.tiers[0], key=repr)
+        swapped = sorted(gpu - set(here.tiers[0]), key=repr)
         return here.blocks[swapped[0]].tokens if swapped and swapped[0] in here.blocks else tokens
 
 

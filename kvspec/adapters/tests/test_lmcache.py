@@ -1,0 +1,80 @@
+"""LMCache's DRAM and disk backends as layer 7's store (``kvspec.adapters.lmcache``).
+
+Skipped unless LMCache imports.  Pins what the adapter composes (demotion is a write to disk on
+eviction, a disk hit read in place, immutable puts), the engine behaviour the verdict reports (a
+forced remove releases pins; a removed disk chunk keeps its bytes counted), and a short run of the
+store machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import settings
+
+pytest.importorskip("lmcache.v1.storage_backend.local_disk_backend", reason="LMCache is not installed")
+
+from kvspec.adapters import lmcache  # noqa: E402
+from kvspec.properties.harness import run_machine  # noqa: E402
+from kvspec.properties.test_kv_store import KVStoreMachine  # noqa: E402
+from kvspec.spec import kv_store  # noqa: E402
+from kvspec.spec.errors import InvalidOperation  # noqa: E402
+
+
+def store(dram: int, disk: int, policy: str = "lru") -> Any:
+    return lmcache.factory().kv_store(1, (dram, disk), (policy, policy))
+
+
+def test_two_tiers_of_exactly_their_chunks() -> None:
+    backends = store(2, 3)
+    assert backends.dram.memory_allocator is not None and backends.disk.max_cache_size == 3 * lmcache.CHUNK_BYTES
+    with pytest.raises(InvalidOperation):
+        lmcache.factory().kv_store(1, (1,), ("lru",))
+
+
+def test_a_full_dram_tier_writes_its_victim_to_disk() -> None:
+    backends = store(1, 2)
+    backends.put(0, "a", (1, 2))
+    backends.put(0, "b", (3,))
+    state = backends.snapshot()
+    assert state.tiers == ((("b",), ("a",)),) and state.contents[(0, "a")] == (1, 2)
+    assert backends.get(0, "a") == (1, 2)  # read in place, from the file
+    assert backends.lookup("a") == ((0, 1),)
+
+
+def test_a_put_of_a_held_key_is_skipped() -> None:
+    backends = store(2, 2)
+    backends.put(0, "a", (1,))
+    backends.put(0, "a", (9,))
+    assert backends.snapshot().contents == {(0, "a"): (1,)}
+
+
+def test_a_forced_remove_drops_a_pinned_chunk_and_its_pins() -> None:
+    """The caller-contract finding: ``remove(key, force=True)`` releases the pins a retrieve holds."""
+    backends = store(2, 2)
+    backends.put(0, "a", (1,))
+    backends.pin(0, "a")
+    backends.remove(0, "a")
+    assert backends.snapshot().contents == {} and backends.snapshot().pins == {}
+
+
+def test_a_removed_disk_chunk_stays_counted_and_a_later_demotion_evicts_a_live_one() -> None:
+    """The safety finding: ``LocalDiskBackend.remove`` gives back ``usage`` but not ``current_cache_size``,
+    which its own admission uses, so the disk evicts a chunk it had room for."""
+    backends = store(1, 2)
+    for key, tokens in (("a", (1,)), ("b", (2,)), ("c", (3,))):  # a and b go down to disk
+        backends.put(0, key, tokens)
+    backends.remove(0, "a")
+    assert backends.disk.current_cache_size == 2 * lmcache.CHUNK_BYTES  # one chunk on disk, two counted
+    before = backends.snapshot()
+    backends.demote(0, 0)  # c goes down: the disk had room, yet b is evicted
+    after = backends.snapshot()
+    assert (0, "b") not in after.contents
+    assert kv_store.invariant_demotion_keeps_the_block(before, after, []) is not None
+
+
+def test_the_store_machine_finds_the_disk_leak_and_its_knock_ons() -> None:
+    outcome = run_machine(KVStoreMachine, lmcache.factory(), settings(max_examples=30, derandomize=True))
+    safety = {f.invariant.name for f in outcome.findings if f.tier == "safety" and f.invariant}
+    assert safety <= {"invariant_demotion_keeps_the_block", "invariant_pinned_never_evicted"}, safety
