@@ -117,6 +117,53 @@ def pool_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
     ]
 
 
+# -- the KV cache managers ------------------------------------------------------------------
+
+
+def kv_manager_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
+    """The reference prefix-caching manager against vLLM's full-attention ``KVCacheManager`` through its own
+    calls: a request is made (its prompt hashed), looked up, admitted, decoded a token a step, freed."""
+    from kvspec.adapters.vllm_kv_cache_manager import engine, kv_cache_manager
+    from kvspec.impl.prefix_caching import PrefixCachingBlockManager
+
+    vllm = engine()
+    blocks, size, decodes = 4_096, 16, 16
+    prompts = sequences(int(2_000 * scale), 64, seed=3)  # nine in ten cut an earlier prompt: hits
+    sampling = vllm.SamplingParams(max_tokens=decodes + 1)
+    sampling.update_from_generation_config({}, eos_token_id=None)
+    hasher = vllm.get_request_block_hasher(size, vllm.sha256)
+
+    def ref_serve(manager: PrefixCachingBlockManager) -> int:
+        for seq, prompt in enumerate(prompts):
+            manager.add_sequence(seq, prompt)
+            for step in range(decodes):
+                manager.append(seq, [step])
+            manager.free(seq)
+        return len(prompts)
+
+    def vllm_serve(manager: Any) -> int:
+        lookup, allocate, free = manager.get_computed_blocks, manager.allocate_slots, manager.free
+        for seq, prompt in enumerate(prompts):
+            request = vllm.Request(str(seq), prompt, sampling, None, block_hasher=hasher)
+            hits, cached, _ = lookup(request)
+            allocate(request, len(prompt) - cached, cached, hits)
+            request.num_computed_tokens = len(prompt)
+            for step in range(decodes):
+                request.append_output_token_ids(step)
+                allocate(request, 1)
+                request.num_computed_tokens += 1
+            free(request)
+        return len(prompts)
+
+    return [
+        (
+            f"request: admit 64 tokens (hits), {decodes} decodes, free (blocks of {size})",
+            best_rate(lambda: PrefixCachingBlockManager(BlockPool(blocks, "lru"), size), ref_serve, repeat),
+            best_rate(lambda: kv_cache_manager(blocks, size, [None], caching=True), vllm_serve, repeat),
+        )
+    ]
+
+
 # -- the radix caches ----------------------------------------------------------------------
 
 
@@ -262,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     comparisons = [
         ("vllm", "vLLM v1 BlockPool", pool_rows, "reference BlockPool vs vLLM's (4,096 blocks)"),
+        (
+            "vllm",
+            "vLLM v1 KVCacheManager",
+            kv_manager_rows,
+            "reference prefix-caching manager vs vLLM's (4,096 blocks)",
+        ),
         ("sglang", "SGLang RadixCache", radix_rows, "reference RadixCache vs SGLang's (simulated allocator)"),
     ]
     status = 0

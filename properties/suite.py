@@ -33,6 +33,8 @@ MACHINES: tuple[tuple[str, str], ...] = (
     ("scheduler over the prefix cache", "kvspec.properties.test_scheduler:CachedSchedulerMachine"),
     ("scheduler (priority)", "kvspec.properties.test_scheduler:PrioritySchedulerMachine"),
     ("scheduler: paged = contiguous logits", "kvspec.properties.test_scheduler_logits:PagedLogitsSchedulerMachine"),
+    ("token-budget scheduler (vLLM v1's shape)", "kvspec.properties.test_scheduler_v1:TokenBudgetMachine"),
+    ("token-budget scheduler (priority)", "kvspec.properties.test_scheduler_v1:PriorityTokenBudgetMachine"),
     ("contiguous allocators", "kvspec.properties.test_contiguous:ContiguousMachine"),
     ("contiguous allocators (A100, 12,596 slots)", "kvspec.properties.test_contiguous:A100ContiguousMachine"),
     ("tiered KV store (node faults)", "kvspec.properties.test_kv_store:KVStoreMachine"),
