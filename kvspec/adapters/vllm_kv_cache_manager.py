@@ -49,8 +49,11 @@ Conventions, read from the engine's code:
   ``BlockHashToBlockMap`` keeps a second block under a cached hash (two requests admitted with the
   same prompt before either's blocks were cached both cache theirs).
 * ``trusts_caller=True``: ``allocate_slots`` takes whatever request it is given (an unknown one is
-  a new one; token ids are hashed unchecked); ``free`` of an unknown request is a no-op
-  (``pop_blocks_for_free``: "Default to [] in case a request is freed (aborted) before alloc").
+  a new one, a second under a held id is taken as that one; token ids are hashed unchecked);
+  ``free`` of an unknown request is a no-op (``pop_blocks_for_free``: "Default to [] in case a
+  request is freed (aborted) before alloc").  The adapter's map from kvspec sequences to requests
+  answers any other call on a sequence no request holds with ``InvalidOperation``: vLLM's manager
+  has no call for it.
 * Sliding windows (``SlidingWindowManager``, window ``W`` = vLLM's ``sliding_window``): blocks
   leave a table lazily, at the request's next ``allocate_slots`` (``remove_skipped_blocks`` on the
   computed tokens, "We can do this even if we cannot schedule this request"), for the window of the
@@ -79,7 +82,7 @@ from kvspec.spec.block_manager import ManagerState, SeqId, WritePlan
 from kvspec.spec.block_pool import BlockPool, PoolState
 from kvspec.spec.components import Offer
 from kvspec.spec.conventions import Conventions, PoolConventions
-from kvspec.spec.errors import OutOfBlocks
+from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.prefix_cache import Commit, ExtraKey
 from kvspec.spec.sliding_window import Table, WindowState
@@ -218,8 +221,15 @@ class RequestTables:
         self.requests: dict[SeqId, Any] = {}
         self.memory = SlotMemory(block_size)
 
+    def request(self, seq: SeqId) -> Any:
+        """The vLLM request of ``seq``: vLLM's manager has no call for a request it does not hold."""
+        try:
+            return self.requests[seq]
+        except (KeyError, TypeError):
+            raise InvalidOperation(f"no vLLM request holds sequence {seq!r}") from None
+
     def ids(self, seq: SeqId, group: int = 0) -> list[int]:
-        return list(self.engine.get_block_ids(self.requests[seq].request_id)[group])
+        return list(self.engine.get_block_ids(self.request(seq).request_id)[group])
 
     def admit(self, seq: SeqId, request: Any, deferred: bool) -> tuple[int, list[tuple[int, int]]]:
         """``get_computed_blocks``, ``allocate_slots``, the forward: the tokens cached, the slots written."""
@@ -232,9 +242,9 @@ class RequestTables:
 
     def grow(self, seq: SeqId, tokens: Sequence[int], deferred: bool) -> list[tuple[int, int]]:
         """A step scheduling ``tokens`` more: they join the request, slots are allocated, the forward runs."""
+        request = self.request(seq)
         if not tokens:
             return []  # Scheduler.schedule skips a request with no new tokens: no engine call
-        request = self.requests[seq]
         computed, hashed = request.num_computed_tokens, len(request.block_hashes)
         request.append_output_token_ids(list(tokens))
         if self.engine.allocate_slots(request, len(tokens), delay_cache_blocks=deferred) is None:
@@ -254,10 +264,12 @@ class RequestTables:
         return written[0]
 
     def read(self, seq: SeqId) -> tuple[int, ...]:
-        return self.memory.read(self.ids(seq), self.requests[seq].num_tokens)
+        return self.memory.read(self.ids(seq), self.request(seq).num_tokens)
 
     def free(self, seq: SeqId) -> None:
-        self.engine.free(self.requests.pop(seq))
+        """``free(request)``; of a sequence no request holds, a request that holds nothing (vLLM: a no-op)."""
+        request = self.requests.pop(seq, None) if isinstance(seq, Hashable) else None
+        self.engine.free(request or new_request(repr(seq), [0], None, None))
 
 
 class VllmPrefixCachingManager:
@@ -287,7 +299,7 @@ class VllmPrefixCachingManager:
         self._tables.free(seq)
 
     def commit(self, seq: SeqId) -> None:
-        request = self._tables.requests[seq]
+        request = self._tables.request(seq)
         self._tables.engine.cache_blocks(request, request.num_computed_tokens)
 
     def read(self, seq: SeqId) -> tuple[int, ...]:
@@ -384,7 +396,7 @@ class VllmHybridManager:
         return tuple(b - 1 for b in full), tuple(None if b == NULL_BLOCK else b - 1 for b in sliding)
 
     def tokens(self, seq: SeqId) -> tuple[int, ...]:
-        return tuple(self._tables.requests[seq].all_token_ids)
+        return tuple(self._tables.request(seq).all_token_ids)
 
     def sequences(self) -> tuple[SeqId, ...]:
         return tuple(self._tables.requests)
