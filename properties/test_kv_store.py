@@ -157,10 +157,12 @@ class KVStoreMachine(LockstepMachine):
             self.transfer_ends(data, node, key)
 
     def transfer_ends(self, data: st.DataObject, node: int, key: Key) -> None:
-        """Drawn inside the put rules, so that swarm testing never turns it off: where the store is pending, the
-        transfer often ends at once, as often failed as arrived."""
+        """Drawn inside the put rules, so that swarm testing never turns it off: where the store is pending, as
+        often as not a read races the transfer, which then often ends at once, as often failed as arrived."""
         copy = self.store.model.copies.get((node, key))
         if copy is not None and not copy.ready:
+            if data.draw(st.booleans(), label="a read races the store"):
+                self._get(node, key)
             outcome = data.draw(st.sampled_from(["pending", "arrived", "failed"]), label="the store's transfer")
             if outcome != "pending":
                 self._complete(node, key, outcome == "arrived")
@@ -237,8 +239,11 @@ class KVStoreMachine(LockstepMachine):
     @precondition(lambda self: self.store.model.copies)
     @rule(data=st.data())
     def get_held(self, data: st.DataObject) -> None:
-        """Read a copy some node holds: a hit, or -- still being stored -- a miss that must not read it."""
-        self._get(*data.draw(st.sampled_from(self.held()), label="copy"))
+        """Read a copy some node holds: a hit, or -- still being stored, as often as not where there is one, a
+        read racing the store -- a miss that must not read it."""
+        pending = self.pending()
+        racing = bool(pending) and data.draw(st.booleans(), label="a copy still being stored")
+        self._get(*data.draw(st.sampled_from(pending if racing else self.held()), label="copy"))
 
     def _get(self, node: int, key: Key) -> Tokens | None:
         def read_rules(before: StoreState, after: StoreState, read: Tokens | None) -> None:
@@ -385,10 +390,10 @@ class KVStoreMachine(LockstepMachine):
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:
         """Drop a copy on request; one in use (pinned, leased, pending) is out of contract: the caller must
-        wait for the transfer that holds it."""
-        in_use = [place for place in self.held() if model.in_use(self.store.model, self.store.model.copies[place])]
-        choices = in_use if bool(in_use) and data.draw(st.booleans(), label="one in use") else self.held()
-        node, key = data.draw(st.sampled_from(choices), label="copy")
+        wait for the transfer that holds it.  As often as not a reader pins the copy first."""
+        node, key = data.draw(st.sampled_from(self.held()), label="copy")
+        if data.draw(st.booleans(), label="a reader pins it first"):
+            self._op("pin", node, key)
         if self._op("remove", node, key)[0]:
             self.retry_refused()
 

@@ -95,8 +95,9 @@ Invariants:
 * ``invariant_pinned_never_evicted`` -- a copy in use (pinned, leased, pending)
   stays in its tier with its contents, or an in-flight transfer reads (or
   writes) freed memory.
-* ``invariant_demotion_keeps_the_block`` -- an operation loses a copy only by
-  choosing it for eviction (or by a fault), so demotion never loses data.
+* ``invariant_demotion_keeps_the_block`` -- an operation loses no more copies
+  from a tier than it had to evict there (a fault aside), so demotion never
+  loses data; which copies go is the policy's, a convention.
 * ``invariant_replicas_agree`` -- every replica of a key holds the same
   contents, or two nodes serve different KV for one prefix.
 * ``invariant_get_returns_put`` -- a hit reads the tokens the store accepted
