@@ -1,11 +1,11 @@
-"""The reference sliding-window manager (spec.sliding_window): tables whose dropped entries are None."""
+"""The reference sliding-window managers (spec.sliding_window): tables whose dropped entries are None, and rings."""
 
 from __future__ import annotations
 
 from kvspec.spec.block_manager import blocks_for, check_block_size
 from kvspec.spec.block_pool import BlockPool
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
-from kvspec.spec.sliding_window import SeqId, Table, WindowState, in_window
+from kvspec.spec.sliding_window import SeqId, Table, WindowState, in_window, ring_blocks
 
 
 class SlidingWindowManager:
@@ -71,3 +71,13 @@ class SlidingWindowManager:
             return self._tables[seq]
         except (KeyError, TypeError):
             raise InvalidOperation(f"sequence {seq!r} does not exist (never added, or freed)") from None
+
+
+class RingSlidingWindowManager(SlidingWindowManager):
+    """Declares ``WindowConventions(slid_out="ring")``: a sequence keeps the blocks of its last ``window`` tokens
+    as a ring and reuses them in place; nothing slides out of its table."""
+
+    def _grow(self, seq: SeqId, added: int) -> None:
+        table, length = self._tables[seq], self._lengths[seq] + added
+        table += self._pool.allocate(ring_blocks(length, self._block_size, self._window) - len(table))
+        self._lengths[seq] = length

@@ -1,10 +1,12 @@
 """Sliding-window tables: the window manager against ``kvspec.spec.sliding_window``'s model.
 
 The machine admits sequences into a few fixed slots with windows of 1-3
-blocks, appends to them (so blocks slide out and are reused at once), frees
-them, and sends out-of-contract calls; the pool's invariants are checked with
-the entries *in windows* as the holders.  An admission or append refused for
-want of blocks is retried after a free, and (as often as not) after the next admission or append.
+blocks, appends to them (so blocks slide out and are reused at once, or, under
+the ``ring`` convention, the ring wraps over the tokens that slid out), frees
+them, and sends out-of-contract calls; the table rule of the declared
+convention is checked, and the pool's invariants with the entries *in windows*
+as the holders.  An admission or append refused for want of blocks is retried
+after a free, and (as often as not) after the next admission or append.
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
+from kvspec.conformance import run_conformance
+from kvspec.impl.sliding_window import RingSlidingWindowManager
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import block_pool
 from kvspec.spec import sliding_window as model
+from kvspec.spec.conventions import Conventions, WindowConventions
+from kvspec.spec.implementation import Implementation
 
 SEQS = st.integers(0, 3)
 COUNTS = st.one_of(st.integers(0, 9), st.integers(-1, 0))
@@ -30,7 +36,8 @@ class SlidingWindowMachine(LockstepMachine):
         window = data.draw(st.integers(max(1, (blocks - 1) * block_size), blocks * block_size), label="window")
         policy = data.draw(st.sampled_from(self.conventions.pool.policies), label="policy")
         self.record(f"windows = sliding_window_manager(capacity={capacity}, block_size={block_size}, window={window})")
-        spec = model.new_windows(block_size, window, block_pool.new_pool(capacity, policy, self.conventions.pool))
+        pool = block_pool.new_pool(capacity, policy, self.conventions.pool)
+        spec = model.new_windows(block_size, window, pool, self.conventions.window)
         impl = self.implementation.component("sliding_window_manager")(
             self.implementation.component("block_pool")(capacity, policy), block_size, window
         )
@@ -43,6 +50,10 @@ class SlidingWindowMachine(LockstepMachine):
             self.refused = (operation, seq, n)
             return
         after = self.windows.model
+        if self.conventions.window.slid_out == "ring":
+            wrapped = n > 0 and after.lengths[seq] > after.window
+            event("the ring wrapped over tokens that slid out" if wrapped else "the ring kept every token")
+            return
         slid = sum(1 for s, t in after.tables.items() for b in t if b is None) > sum(
             1 for s, t in before.tables.items() if s in after.tables for b in t if b is None
         )
@@ -85,9 +96,23 @@ class SlidingWindowMachine(LockstepMachine):
         if not hasattr(self, "windows"):
             return
         state = self.windows.snapshot()
-        self.check(model.invariant_window_blocks_exact, state)
+        self.check(model.invariant_window_blocks_exact, state, self.conventions.window)
         self.check_group(block_pool.STATE, state.pool, model.holders(state.tables))
         self.check(model.invariant_window_refines_spec, state, model.abstract(self.windows.model))
 
 
 TestSlidingWindow = conformance_test(SlidingWindowMachine)
+
+
+def ring_reference() -> Implementation:
+    """The reference's ring (``slid_out="ring"``, HF transformers' shape) over the reference pool."""
+    return Implementation(
+        name="reference, sliding window as a ring",
+        sliding_window_manager=RingSlidingWindowManager,
+        conventions=Conventions(window=WindowConventions(slid_out="ring")),
+    )
+
+
+def test_the_reference_ring_conforms() -> None:
+    verdict = run_conformance(ring_reference, layers=["sliding-window"], profile="ci")
+    assert verdict.conforms, str(verdict)

@@ -35,6 +35,11 @@ The fields, one per choice observed in vLLM v1 and SGLang:
   (reference: 1, though its cache is built for any page size).
 * ``RadixConventions.extra_key_namespaces`` -- whether an extra key (adapter,
   tenant) separates otherwise equal keys (reference and SGLang: yes).
+* ``WindowConventions.slid_out`` -- what becomes of a block once every token
+  in it has left the sliding window: ``dropped`` (reference, vLLM: released,
+  its entry cleared) or ``ring`` (HF transformers: a sequence keeps
+  ``ceil(min(L, W) / B)`` blocks while it lives and writes position ``p`` at
+  ring slot ``p mod W``, over the token that slid out); see ``spec.sliding_window``.
 * ``StoreConventions`` -- the tiered store's shape (its tiers, at most how
   many nodes), its policies, what a re-put of a held key does, whether stores
   are pending until completed, read leases, background eviction and who picks
@@ -95,11 +100,19 @@ class StoreConventions:
 
 
 @attrs.frozen
+class WindowConventions:
+    """The sliding-window manager's choices (``spec.sliding_window``)."""
+
+    slid_out: Literal["dropped", "ring"] = "dropped"
+
+
+@attrs.frozen
 class Conventions:
     """Everything an implementation declares about itself; the defaults are the reference's."""
 
     pool: PoolConventions = PoolConventions()
     radix: RadixConventions = RadixConventions()
+    window: WindowConventions = WindowConventions()
     store: StoreConventions = StoreConventions()
     trusts_caller: bool = False
 

@@ -22,10 +22,24 @@ Rules (Mistral-style sliding-window attention; vLLM's sliding-window manager):
   and no change.
 * Ownership: nothing but ints is passed; tables answered belong to the caller.
 
+Conventions (``spec.conventions.WindowConventions``; the reference's first):
+
+* ``slid_out`` -- ``dropped``, as above.  Under ``ring`` (HF transformers'
+  ``SlidingAttentionCacheAllocator``) nothing is dropped: a sequence of length
+  L holds ``ceil(min(L, W) / B)`` blocks, every entry of its table a block,
+  and position p lives at slot ``(p mod W) mod B`` of entry ``(p mod W) div
+  B`` -- written over the token W positions back, which has left the window.
+  The table grows to ``ceil(W / B)`` entries and no further; ``append``
+  allocates only what it adds (all or nothing), ``free`` releases the table
+  last first, as under ``dropped``.  ``invariant_window_blocks_exact`` takes
+  the declared convention and checks the ring's rule.  The functions ``ring``
+  replaces are marked below.
+
 Invariants:
 
 * ``invariant_window_blocks_exact`` [safety] -- a sequence holds a block for
-  every logical block in its window and none for one outside it.
+  every logical block in its window and none for one outside it; under
+  ``ring``, exactly the blocks its ring needs, ``ceil(min(L, W) / B)``.
 * The pool's ``STATE`` group, with the holders of a block being the entries
   in windows that name it (``holders``): counts equal holders, no leak.
 * ``invariant_window_refines_spec`` [convention] -- the implementation is in the model's state.
@@ -43,6 +57,7 @@ from kvspec.spec import block_pool
 from kvspec.spec.block_manager import blocks_for, check_block_size
 from kvspec.spec.block_pool import Pool, PoolState
 from kvspec.spec.components import component_kind
+from kvspec.spec.conventions import REFERENCE, WindowConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.invariants import diff_states, invariant
 
@@ -86,12 +101,13 @@ class Windows:
     pool: Pool
     tables: Mapping[SeqId, Table]
     lengths: Mapping[SeqId, int]
+    conventions: WindowConventions = REFERENCE.window
 
 
-def new_windows(block_size: int, window: int, pool: Pool) -> Windows:
+def new_windows(block_size: int, window: int, pool: Pool, conventions: WindowConventions = REFERENCE.window) -> Windows:
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise InvalidOperation(f"a window is a positive number of tokens, got {window!r}")
-    return Windows(check_block_size(block_size), window, pool, {}, {})
+    return Windows(check_block_size(block_size), window, pool, {}, {}, conventions)
 
 
 def in_window(index: int, length: int, block_size: int, window: int) -> bool:
@@ -115,6 +131,8 @@ def _count(n: object, least: int) -> int:
 
 def _grow(windows: Windows, seq: SeqId, table: Table, length: int, added: int) -> Windows:
     """Drop what leaves the window of ``length + added`` tokens, then allocate the new logical blocks."""
+    if windows.conventions.slid_out == "ring":
+        return _grow_ring(windows, seq, table, length + added)
     size, window, pool = windows.block_size, windows.window, windows.pool
     new_length = length + added
     dropped = {i: b for i, b in enumerate(table) if b is not None and not in_window(i, new_length, size, window)}
@@ -159,10 +177,51 @@ def block_table(windows: Windows, seq: SeqId) -> Table:
     return _live(windows, seq)
 
 
+# -- slid_out="ring": what replaces _grow, and the ring's rule of invariant_window_blocks_exact ----
+
+
+def ring_blocks(length: int, block_size: int, window: int) -> int:
+    """The blocks a ring holds for a sequence of ``length`` tokens: those its last ``window`` tokens fill."""
+    return blocks_for(min(length, window), block_size)
+
+
+def _grow_ring(windows: Windows, seq: SeqId, table: Table, new_length: int) -> Windows:
+    """Allocate the blocks the ring still lacks at ``new_length`` tokens; nothing is dropped (``OutOfBlocks``:
+    no change)."""
+    pool, blocks = block_pool.allocate(
+        windows.pool, ring_blocks(new_length, windows.block_size, windows.window) - len(table)
+    )
+    return attrs.evolve(
+        windows,
+        pool=pool,
+        tables={**windows.tables, seq: table + tuple(blocks)},
+        lengths={**windows.lengths, seq: new_length},
+    )
+
+
+def ring_problem(state: WindowState) -> str | None:
+    """What is wrong with the tables of ``state`` as rings (``invariant_window_blocks_exact`` under ``ring``)."""
+    for seq, table in state.tables.items():
+        length = state.lengths.get(seq, 0)
+        needed = ring_blocks(length, state.block_size, state.window)
+        if len(table) != needed or None in table:
+            return (
+                f"sequence {seq!r} of {length} tokens holds {table} as its ring; a window of {state.window} "
+                f"in blocks of {state.block_size} needs {needed} blocks"
+            )
+    return None
+
+
+# -- invariants --------------------------------------------------------------------
+
+
 @invariant(
     "a block still in the window is read by attention; one kept outside it is memory the window promised back", "safety"
 )
-def invariant_window_blocks_exact(state: WindowState) -> str | None:
+def invariant_window_blocks_exact(state: WindowState, conventions: WindowConventions) -> str | None:
+    """Under ``ring``: a ring of fewer blocks than the window's tokens fill overwrites KV attention still reads."""
+    if conventions.slid_out == "ring":
+        return ring_problem(state)
     for seq, table in state.tables.items():
         length = state.lengths.get(seq, 0)
         if len(table) != blocks_for(length, state.block_size):

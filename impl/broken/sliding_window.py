@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from kvspec.impl.broken import caught_by, member
-from kvspec.impl.sliding_window import SlidingWindowManager
+from kvspec.impl.broken import members
+from kvspec.impl.sliding_window import RingSlidingWindowManager, SlidingWindowManager
 from kvspec.spec import block_pool
 from kvspec.spec import sliding_window as spec
-from kvspec.spec.implementation import Implementation
+from kvspec.spec.block_manager import blocks_for
+from kvspec.spec.conventions import Conventions, WindowConventions
 from kvspec.spec.sliding_window import SeqId
+
+window = members("sliding_window_manager", "sliding-window tables")  # a member: its manager, and what catches it
 
 
 class StaleEntryAfterSlide(SlidingWindowManager):
@@ -18,11 +21,19 @@ class StaleEntryAfterSlide(SlidingWindowManager):
         self._pool.release([block for i in dropped[::-1] if (block := table[i]) is not None])
 
 
+stale_entry_after_slide = window(
+    "a slid-out block stays in the table", StaleEntryAfterSlide, block_pool.invariant_refcount_matches_holders
+)
+
+
 class KeepsWholeHistory(SlidingWindowManager):
     """Never drops a block: the window is applied to attention only, the memory it promised back stays held."""
 
     def _drop(self, table: list[int | None], dropped: list[int]) -> None:
         """Nothing is released."""
+
+
+keeps_whole_history = window("the window never drops a block", KeepsWholeHistory, spec.invariant_window_blocks_exact)
 
 
 class FreesFrontToBack(SlidingWindowManager):
@@ -33,16 +44,23 @@ class FreesFrontToBack(SlidingWindowManager):
         del self._tables[seq], self._lengths[seq]
 
 
-@caught_by(spec.invariant_window_blocks_exact, "sliding-window tables")
-def keeps_whole_history() -> Implementation:
-    return member("broken: the window never drops a block", sliding_window_manager=KeepsWholeHistory)
+frees_front_to_back = window("frees a window table front to back", FreesFrontToBack, spec.invariant_window_refines_spec)
 
 
-@caught_by(spec.invariant_window_refines_spec, "sliding-window tables")
-def frees_front_to_back() -> Implementation:
-    return member("broken: frees a window table front to back", sliding_window_manager=FreesFrontToBack)
+class RingOfWholeBlocksOnly(RingSlidingWindowManager):
+    """Declares the ring (HF transformers' shape) and sizes it as ``window // block_size`` blocks: with a window
+    that is not a whole number of blocks, the oldest tokens still in the window are overwritten by the newest."""
+
+    def _grow(self, seq: SeqId, added: int) -> None:
+        table, length = self._tables[seq], self._lengths[seq] + added
+        ring = max(1, min(blocks_for(length, self._block_size), self._window // self._block_size))
+        table += self._pool.allocate(max(0, ring - len(table)))
+        self._lengths[seq] = length
 
 
-@caught_by(block_pool.invariant_refcount_matches_holders, "sliding-window tables")
-def stale_entry_after_slide() -> Implementation:
-    return member("broken: a slid-out block stays in the table", sliding_window_manager=StaleEntryAfterSlide)
+ring_of_whole_blocks_only = window(
+    "a ring of window // block size blocks",
+    RingOfWholeBlocksOnly,
+    spec.invariant_window_blocks_exact,
+    conventions=Conventions(window=WindowConventions(slid_out="ring")),
+)
