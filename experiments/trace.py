@@ -11,6 +11,10 @@ touched); it then allocates the rest -- evicting free cached blocks in the
 policy's order -- registers them, and releases everything, last block first,
 so that all its blocks stay cached.  Hit rate = hit blocks / all blocks
 (lecture §8.4, Mooncake Table 1).
+
+A pool that offers the batch operations (``lookup_prefix``, ``register_blocks``;
+see ``kvspec.spec.block_pool``) serves a request in five calls; one that does not
+is driven block by block through ``lookup`` and ``register``, with the same hits.
 """
 
 from __future__ import annotations
@@ -29,12 +33,16 @@ import attrs
 from kvspec.impl.block_pool import BlockPool
 from kvspec.report import emit_json, progress, pyplot, table
 from kvspec.spec.block_pool import POLICIES, Policy
+from kvspec.spec.block_pool import BlockPool as PoolProtocol
+from kvspec.spec.components import Offer, every_operation
 
 DATA = Path(__file__).parent / "data"
 SHIPPED = {"conversation": DATA / "conversation_trace.jsonl.gz", "synthetic": DATA / "synthetic_trace.jsonl.gz"}
 BLOCK_TOKENS = 512
 WORKERS = 2
 CAPACITIES: tuple[int | None, ...] = (1_000, 5_000, 10_000, 20_000, 30_000, 50_000, 100_000, None)  # None: unbounded
+REFERENCE_POOL: Offer[[int, Policy], PoolProtocol] = Offer(BlockPool, every_operation("block_pool"))
+BATCH_OPERATIONS = ("lookup_prefix", "register_blocks")
 # FAST'25 (Mooncake) Table 2: requests, mean input, mean output of each trace (see experiments/data/README.md).
 TABLE_2 = {"conversation": (12_031, 12_035, 343), "synthetic": (3_993, 15_325, 149)}
 
@@ -81,14 +89,45 @@ def statistics(trace: Trace) -> dict[str, float | int]:
     }
 
 
-def replay(trace: Trace, capacity: int | None, policy: Policy) -> tuple[int, ...]:
+def replay(
+    trace: Trace, capacity: int | None, policy: Policy, pool: Offer[[int, Policy], PoolProtocol] = REFERENCE_POOL
+) -> tuple[int, ...]:
     """Hit blocks of each request with a pool of ``capacity`` blocks (None: one per distinct block)."""
     if capacity is None:
         capacity = len({b for request in trace.blocks for b in request})
-    pool = BlockPool(capacity, policy)
-    lookup, register = pool.lookup, pool.register  # bound once: this loop is the replay's whole cost
+    serve = _replay_in_batches if all(map(pool.offers, BATCH_OPERATIONS)) else _replay_block_by_block
+    return serve(pool(capacity, policy), trace.blocks)
+
+
+def _replay_in_batches(pool: PoolProtocol, requests: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """Five pool calls a request: this loop is the replay's whole cost, so its calls are bound once."""
+    lookup_prefix, share, allocate, register_blocks = (
+        pool.lookup_prefix,
+        pool.share,
+        pool.allocate,
+        pool.register_blocks,
+    )
+    release, num_free = pool.release, pool.num_free
     hits_per_request = []
-    for request in trace.blocks:
+    for request in requests:
+        held = lookup_prefix(request)
+        hits = len(held)
+        share(held)
+        misses = request[hits : hits + num_free()]
+        fresh = allocate(len(misses))
+        register_blocks(fresh, misses)
+        held += fresh
+        held.reverse()
+        release(held)
+        hits_per_request.append(hits)
+    return tuple(hits_per_request)
+
+
+def _replay_block_by_block(pool: PoolProtocol, requests: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The same requests through ``lookup`` and ``register``, one block at a time."""
+    lookup, register = pool.lookup, pool.register
+    hits_per_request = []
+    for request in requests:
         held = []
         for block_hash in request:
             block = lookup(block_hash)

@@ -136,6 +136,40 @@ class BlockPoolMachine(LockstepMachine):
         if answer is not None:
             event("lookup hit" if answer.expected is not None else "lookup miss")
 
+    @precondition(lambda self: self.offers("block_pool", "register_blocks"))
+    @rule(data=st.data())
+    def register_blocks(self, data: st.DataObject) -> None:
+        """Cache several full blocks at once (vLLM's cache_full_blocks); now and then a block or a length that
+        the call must refuse whole."""
+        held = self.unregistered_held()
+        blocks = data.draw(
+            st.lists(st.sampled_from(held), max_size=3, unique=True) if held else st.just([]), label="blocks"
+        )
+        if data.draw(st.integers(0, 4), label="out of contract") == 0:
+            blocks = [*blocks, self.some_block(data)]
+        hashes = data.draw(st.lists(HASHES, min_size=len(blocks), max_size=len(blocks) + 1), label="hashes")
+        self.pool("register_blocks", blocks, hashes[: len(blocks) + data.draw(st.integers(0, 1), label="extra")])
+
+    @precondition(
+        lambda self: self.offers("block_pool", "lookup_prefix") and self.offers("block_pool", "register_blocks")
+    )
+    @rule(block_hashes=st.lists(HASHES, min_size=1, max_size=5))
+    def serve_request(self, block_hashes: list[str]) -> None:
+        """A request of a trace replay in five calls: its cached prefix shared, the rest allocated and registered,
+        everything released last block first."""
+        hit = self.pool("lookup_prefix", block_hashes)
+        held = list(hit.actual) if hit is not None else []
+        if self.pool("share", held) is None:
+            return
+        self.held.update(held)
+        misses = block_hashes[len(held) : len(held) + len(self.pool.model.lru)]
+        fresh = self._allocate(len(misses))
+        if fresh:
+            self.pool("register_blocks", fresh, misses)
+            self.ever_cached.update(misses)
+        if held or fresh:
+            self._release([*held, *fresh][::-1])
+
     @rule(block_hash=HASHES)
     def hit(self, block_hash: str) -> None:
         """A prefix-cache hit: share the block cached under the hash, in use or free."""
