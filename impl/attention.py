@@ -9,17 +9,17 @@ softmax folded one tile at a time, a tile being a few blocks' worth of
 positions of a group of sequences, so that its Python loop turns once per
 tile, never per block or per sequence.  Where a tile's K and V come from is
 the only thing the paths change: ``block_tiles`` gathers them through block
-tables (in the paged cache's layout for the ragged forward of
-``paged_attention``, in the head-major layout of the decode kernel
-``paged_decode_attention``), and ``contiguous_decode_attention`` slices them
-out of contiguous arrays -- so a paged decode costs a contiguous one plus the
-gather.
+tables, from blocks in the paged cache's layout (for the ragged forward of
+``paged_attention`` and the decode kernel ``paged_decode_attention``), and
+``contiguous_decode_attention`` slices them out of contiguous arrays -- so a
+paged decode costs a contiguous one plus the gather, and the gather copies
+whole blocks, each one contiguous run of memory.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import attrs
 import numpy as np
@@ -32,6 +32,7 @@ Merge = Callable[[OnlineState, np.ndarray, np.ndarray], OnlineState]
 # read_tile(first, lo, hi): the K and V ``[kv_heads, hi - lo, tokens, d]`` of positions first, first + 1, ...
 # of the batch's sequences lo .. hi - 1; valid until the next tile is read.
 ReadTile = Callable[[int, int, int], tuple[np.ndarray, np.ndarray]]
+Layout = Literal["head_major", "cache"]  # of a decode kernel's blocks: see paged_decode_attention
 
 # The decode kernel's tiles: 8 blocks (128 positions at B = 16) of as many sequences as keep a tile of K
 # within TILE_BYTES.  Larger tiles fall out of cache before both products have read them, smaller ones
@@ -150,39 +151,30 @@ def _padded_tables(
 
 
 def block_tiles(
-    key_blocks: np.ndarray,
-    value_blocks: np.ndarray,
-    tables: np.ndarray,
-    tile_blocks: int,
-    tile_sequences: int,
-    *,
-    head_major: bool,
+    key_blocks: np.ndarray, value_blocks: np.ndarray, tables: np.ndarray, tile_blocks: int, tile_sequences: int
 ) -> ReadTile:
     """Tiles of ``tile_blocks`` columns of ``tables`` ``[sequences, columns]``, gathered through the tables,
-    of ``tile_sequences`` sequences at most.
+    of ``tile_sequences`` sequences at most, from blocks in the paged cache's layout ``[num_blocks, B,
+    kv_heads, d]``.
 
-    Blocks are ``[kv_heads, num_blocks, B, d]`` when ``head_major`` (the decode kernel's layout: a
-    gathered tile is already the matrix products' operand) and ``[num_blocks, B, kv_heads, d]`` otherwise
-    (the paged cache's).  Every tile lands in the same two buffers, which stay in cache while both
-    products read them.
+    A block is one contiguous run of ``B * kv_heads * d`` values, so a gather copies whole blocks (streamed
+    as fast as a contiguous copy, where a block's rows of one KV head alone, a few KiB apart, are not); a
+    tile is handed over as a view ``[kv_heads, sequences, tokens, d]``, whose rows of one KV head are evenly
+    strided, as the matrix products take them without a copy.  Every tile lands in the same two buffers,
+    which stay in cache while both products read them.
     """
-    block_axis = 1 if head_major else 0
-    num_blocks = key_blocks.shape[block_axis]
+    num_blocks, block_size, kv_heads, dim = key_blocks.shape
     if tables.min() < 0 or tables.max() >= num_blocks:
         raise InvalidOperation(f"block tables name blocks outside 0..{num_blocks - 1}")
     # np.take would copy a strided pool whole on every tile; this copies it once, and only if strided.
     key_blocks, value_blocks = np.ascontiguousarray(key_blocks), np.ascontiguousarray(value_blocks)
-    kv_heads = key_blocks.shape[0 if head_major else 2]
-    block_size, dim = key_blocks.shape[2 if head_major else 1], key_blocks.shape[-1]
-    tile_elements = min(len(tables), tile_sequences) * tile_blocks * (key_blocks.size // num_blocks)
+    tile_elements = min(len(tables), tile_sequences) * tile_blocks * block_size * kv_heads * dim
     key_buffer, value_buffer = np.empty(tile_elements, key_blocks.dtype), np.empty(tile_elements, value_blocks.dtype)
 
     def gather(blocks: np.ndarray, buffer: np.ndarray, columns: np.ndarray) -> np.ndarray:
-        shape = blocks.shape[:block_axis] + columns.shape + blocks.shape[block_axis + 1 :]
-        tile = buffer[: math.prod(shape)].reshape(shape)
-        np.take(blocks, columns, axis=block_axis, out=tile, mode="clip")  # checked above; "raise" copies out again
-        heads_first = tile if head_major else np.moveaxis(tile, 3, 0)
-        return heads_first.reshape(kv_heads, len(columns), -1, dim)
+        tile = buffer[: columns.size * blocks[0].size].reshape(columns.shape + blocks.shape[1:])
+        np.take(blocks, columns, axis=0, out=tile, mode="clip")  # checked above; "raise" copies out again
+        return np.moveaxis(tile, 3, 0).reshape(kv_heads, len(columns), -1, dim)
 
     def read(first: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         column = first // block_size
@@ -222,7 +214,7 @@ def paged_attention(
     grouped = padded.reshape(len(queries), widest, kv_heads, heads // kv_heads, dim) / np.sqrt(dim)
     grouped = grouped.transpose(2, 0, 1, 3, 4).reshape(kv_heads, len(queries), -1, dim)
     padded_tables = _padded_tables([tables[s] for s in order], lengths[order], block_size, tile_blocks)
-    read = block_tiles(key_blocks, value_blocks, padded_tables, tile_blocks, tile_sequences, head_major=False)
+    read = block_tiles(key_blocks, value_blocks, padded_tables, tile_blocks, tile_sequences)
     outputs = online_softmax_attention(grouped, positions, read, tile_blocks * block_size, tile_sequences, merge)
     outputs = outputs.reshape(kv_heads, len(queries), widest, -1, dim).transpose(1, 2, 0, 3, 4)
     by_sequence = dict(zip(order.tolist(), outputs.reshape(len(queries), widest, heads, dim), strict=True))
@@ -311,21 +303,27 @@ def paged_decode_attention(
     tables: Sequence[Sequence[int]],
     lengths: Sequence[int],
     chunk_blocks: int = DECODE_TILE_BLOCKS,
+    *,
+    layout: Layout = "head_major",
 ) -> np.ndarray:
     """Batched decode (one query ``[heads, d]`` per sequence) through block tables, for speed.
 
-    The blocks are head-major, ``[kv_heads, num_blocks, B, d]``, so that a tile gathered through
-    ``chunk_blocks`` table columns is already the ``[kv_heads, sequences, tokens, d]`` operand of the
-    matrix products; it spans ``decode_tile_sequences`` sequences, to stay in cache while both read it.
+    The blocks are head-major, ``[kv_heads, num_blocks, B, d]`` (the spec states the kernel so), or, with
+    ``layout="cache"``, in the paged cache's own layout ``[num_blocks, B, kv_heads, d]``: the fast one,
+    which ``block_tiles`` gathers a whole block at a time.  Head-major blocks are put in the cache's layout
+    first (one copy of the pool), so that both layouts run one path.  A tile is ``chunk_blocks`` table
+    columns of ``decode_tile_sequences`` sequences, to stay in cache while both products read it.
     """
-    kv_heads, _, block_size, dim = key_blocks.shape
+    if layout == "head_major":
+        key_blocks, value_blocks = (np.ascontiguousarray(np.moveaxis(b, 0, 2)) for b in (key_blocks, value_blocks))
+    _, block_size, kv_heads, dim = key_blocks.shape
     tile_tokens = chunk_blocks * block_size
     tile_sequences = decode_tile_sequences(kv_heads, tile_tokens, dim, key_blocks.itemsize)
     lengths_array = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(-lengths_array, kind="stable")  # longest first: see online_softmax_attention
     sorted_lengths = lengths_array[order]
     padded_tables = _padded_tables([tables[s] for s in order], sorted_lengths, block_size, chunk_blocks)
-    read = block_tiles(key_blocks, value_blocks, padded_tables, chunk_blocks, tile_sequences, head_major=True)
+    read = block_tiles(key_blocks, value_blocks, padded_tables, chunk_blocks, tile_sequences)
     outputs = np.empty_like(queries)
     outputs[order] = _decode(queries[order], kv_heads, sorted_lengths, read, tile_tokens, tile_sequences)
     return outputs
