@@ -6,7 +6,10 @@ kvspec adapter in the timed loop: vLLM gets its ``KVCacheBlock`` objects and ``b
 hashes, SGLang its ``RadixKey`` arrays and ``int64`` tensors, built before timing).  Every
 row runs the same operations on both sides; ``ratio`` is the reference's rate over the
 engine's (above 1.0: the reference is faster).  Best of ``--repeat`` runs, each on a
-fresh structure.  Prints ratios; asserts nothing about time.
+fresh structure; the radix rows run at 32, 64, 512 and 2,048 tokens a request, both
+sides alternating ``--repeat`` times in CPU seconds of this process, and print each
+side's median rate and the ratio's min and median.  Prints ratios; asserts nothing
+about time.
 
     python -m bench.bench_engines               # both comparisons (the engines installed as the README says)
     python -m bench.bench_engines --only vllm   # or --only sglang
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from array import array
@@ -24,11 +28,10 @@ from typing import Any
 
 from kvspec.adapters import importable
 from kvspec.impl.block_pool import BlockPool
-from kvspec.impl.radix_cache import RadixCache
+from kvspec.impl.radix_cache import RadixCache, Tokens
 from kvspec.report import table
 
 BLOCKS = 4_096
-BUDGET = 4_096  # tokens the radix tree is kept within under eviction pressure
 RUNNING = 8  # requests holding a lock at once under eviction pressure
 
 
@@ -167,6 +170,10 @@ def kv_manager_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]
 # -- the radix caches ----------------------------------------------------------------------
 
 
+RADIX_LENGTHS = (32, 64, 512, 2_048)  # tokens a request, each a regime of every radix row
+RADIX_TOKENS = 256_000  # tokens the requests of one regime add up to (at --scale 1)
+
+
 def sequences(count: int, length: int, seed: int) -> list[list[int]]:
     """``count`` token sequences of ``length``; each after the first cuts an earlier one at random."""
     rng = random.Random(seed)
@@ -180,123 +187,147 @@ def sequences(count: int, length: int, seed: int) -> list[list[int]]:
     return out
 
 
-def radix_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
-    from kvspec.adapters.sglang import SimulatedAllocator, engine
+class FreedSegments:
+    """The allocator SGLang's simulated tree frees into: it keeps each freed leaf's values, as the reference
+    answers them (the adapter's allocator also lists them token by token, which is not the tree's work)."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.freed: list[Any] = []
+
+    def free_segment(self, free_index: Any, *, start_pos: int = 0) -> None:
+        self.freed.append(free_index)
+
+
+def cpu_rate(setup: Callable[[], Any], run: Callable[[Any], int]) -> float:
+    """Operations per CPU second of this process of ``run(setup())``: other work on the machine changes the
+    seconds of both sides of a row alike, not their ratio."""
+    state = setup()
+    start = time.process_time()
+    operations = run(state)
+    return operations / max(time.process_time() - start, 1e-9)
+
+
+def radix_rows(repeat: int, scale: float) -> list[tuple[str, Any, Any]]:  # rates of each run (see columns)
+    """Every radix row at every length of ``RADIX_LENGTHS``; each side run ``repeat`` times, alternating."""
+    from kvspec.adapters.sglang import engine
 
     sgl = engine()
-    torch = sgl.torch
+    rows = []
+    for length in RADIX_LENGTHS:
+        count = max(2 * RUNNING, int(RADIX_TOKENS * scale) // length)
+        for name, reference, sglang in radix_regimes(sgl, count, length):
+            rates: tuple[list[float], list[float]] = ([], [])
+            for _ in range(repeat):
+                rates[0].append(cpu_rate(*reference))
+                rates[1].append(cpu_rate(*sglang))
+            rows.append((f"{name}, {length:,} tokens", *rates))
+    return rows
 
-    def workload(count: int, length: int, seed: int) -> tuple[list[list[int]], list[list[int]], list[Any], list[Any]]:
-        seqs = sequences(count, length, seed)
-        values = [list(range(i * length, (i + 1) * length)) for i in range(count)]
-        keys = [sgl.RadixKey(array("q", s)) for s in seqs]
-        tensors = [torch.tensor(v, dtype=torch.int64) for v in values]
-        return seqs, values, keys, tensors
 
-    def ref_cache() -> RadixCache:
-        return RadixCache()
+Side = tuple[Callable[[], Any], Callable[[Any], int]]  # a fresh structure, and a run over it answering its count
+
+
+def radix_regimes(sgl: Any, count: int, length: int) -> list[tuple[str, Side, Side]]:
+    """The radix rows at one length: each the same logical work on both sides, through each one's own calls.
+    Each side gets a request's key and values made once, before timing, as its scheduler makes them: SGLang
+    its ``RadixKey`` arrays and ``int64`` tensors, the reference its checked ``Tokens``."""
+    lists = sequences(count, length, seed=length)
+    seqs = [Tokens(s) for s in lists]
+    values = [Tokens(range(i * length, (i + 1) * length)) for i in range(count)]
+    keys = [sgl.RadixKey(array("q", s)) for s in lists]
+    tensors = [sgl.torch.tensor(v, dtype=sgl.torch.int64) for v in values]
+    budget = RUNNING * length * 2  # the tree is kept within 16 requests' worth of tokens: it evicts nearly every time
 
     def sgl_cache() -> Any:
-        return sgl.RadixCache.create_simulated(mock_allocator=SimulatedAllocator())
+        return sgl.RadixCache.create_simulated(mock_allocator=FreedSegments())
 
-    def insert_match(count: int, length: int) -> tuple[Callable[[Any], int], Callable[[Any], int]]:
-        seqs, values, keys, tensors = workload(count, length, seed=length)
+    def ref_filled() -> RadixCache:
+        cache = RadixCache()
+        for seq, vals in zip(seqs, values, strict=True):
+            cache.insert(seq, vals)
+        return cache
 
-        def ref(cache: RadixCache) -> int:
-            for seq, vals in zip(seqs, values, strict=True):
-                cache.match_prefix(seq)
-                cache.insert(seq, vals)
-            return count
+    def sgl_filled() -> Any:
+        cache = sgl_cache()
+        for key, tensor in zip(keys, tensors, strict=True):
+            cache.insert(sgl.InsertParams(key=key, value=tensor))
+        return cache
 
-        def engine_run(cache: Any) -> int:
-            match, insert = cache.match_prefix, cache.insert
-            for key, tensor in zip(keys, tensors, strict=True):
-                match(sgl.MatchPrefixParams(key=key))
-                insert(sgl.InsertParams(key=key, value=tensor))
-            return count
+    def ref_insert_match(cache: RadixCache) -> int:
+        for seq, vals in zip(seqs, values, strict=True):
+            cache.match_prefix(seq)
+            cache.insert(seq, vals)
+        return count
 
-        return ref, engine_run
+    def sgl_insert_match(cache: Any) -> int:
+        match, insert = cache.match_prefix, cache.insert
+        for key, tensor in zip(keys, tensors, strict=True):
+            match(sgl.MatchPrefixParams(key=key))
+            insert(sgl.InsertParams(key=key, value=tensor))
+        return count
 
-    def pressure(count: int, length: int) -> tuple[Callable[[Any], int], Callable[[Any], int]]:
+    def ref_pressure(cache: RadixCache) -> int:
         """SGLang's admission: match, evict down to the budget, insert, lock; finish the oldest running."""
-        seqs, values, keys, tensors = workload(count, length, seed=7)
+        running: list[Tokens] = []
+        for seq, vals in zip(seqs, values, strict=True):
+            over = cache.total_size() + length - len(cache.match_prefix(seq)) - budget
+            if over > 0:
+                cache.evict(over)
+            cache.insert(seq, vals)
+            cache.lock(seq)
+            running.append(seq)
+            if len(running) > RUNNING:
+                cache.unlock(running.pop(0))
+        return count
 
-        def ref(cache: RadixCache) -> int:
-            running: list[list[int]] = []
-            for seq, vals in zip(seqs, values, strict=True):
-                matched = len(cache.match_prefix(seq))
-                over = cache.total_size() + length - matched - BUDGET
-                if over > 0:
-                    cache.evict(over)
-                cache.insert(seq, vals)
-                cache.lock(seq)
-                running.append(seq)
-                if len(running) > RUNNING:
-                    cache.unlock(running.pop(0))
-            return count
+    def sgl_pressure(cache: Any) -> int:
+        running: list[Any] = []
+        for key, tensor in zip(keys, tensors, strict=True):
+            matched = cache.match_prefix(sgl.MatchPrefixParams(key=key)).device_prefix_len
+            # SGLang's scheduler admits by evictable + protected size; total_size() walks the tree
+            over = cache.evictable_size() + cache.protected_size() + length - matched - budget
+            if over > 0:
+                cache.evict(sgl.EvictParams(num_tokens=over))
+            node = cache.insert(sgl.InsertParams(key=key, value=tensor)).last_device_node
+            cache.inc_lock_ref(node)
+            running.append(node)
+            if len(running) > RUNNING:
+                cache.dec_lock_ref(running.pop(0))
+        return count
 
-        def engine_run(cache: Any) -> int:
-            running: list[Any] = []
-            for key, tensor in zip(keys, tensors, strict=True):
-                matched = cache.match_prefix(sgl.MatchPrefixParams(key=key)).device_prefix_len
-                # SGLang's scheduler admits by evictable + protected size; total_size() walks the tree
-                over = cache.evictable_size() + cache.protected_size() + length - matched - BUDGET
-                if over > 0:
-                    cache.evict(sgl.EvictParams(num_tokens=over))
-                node = cache.insert(sgl.InsertParams(key=key, value=tensor)).last_device_node
-                cache.inc_lock_ref(node)
-                running.append(node)
-                if len(running) > RUNNING:
-                    cache.dec_lock_ref(running.pop(0))
-            return count
+    def ref_drain(step: int) -> Callable[[RadixCache], int]:
+        def run(cache: RadixCache) -> int:
+            return sum(len(evicted) for evicted in iter(lambda: cache.evict(step), ()))
 
-        return ref, engine_run
+        return run
 
-    def drain(count: int, length: int, step: int) -> tuple[Callable[[], Any], Callable[[], Any], Callable[..., int]]:
-        seqs, values, keys, tensors = workload(count, length, seed=11)
-        tokens: dict[str, int] = {}
+    def sgl_drain(step: int) -> Callable[[Any], int]:
+        def run(cache: Any) -> int:
+            evict, params = cache.evict, sgl.EvictParams(num_tokens=step)
+            return sum(iter(lambda: evict(params).num_tokens_evicted, 0))
 
-        def ref_filled() -> RadixCache:
-            cache = ref_cache()
-            for seq, vals in zip(seqs, values, strict=True):
-                cache.insert(seq, vals)
-            tokens["ref"] = cache.total_size()
-            return cache
+        return run
 
-        def sgl_filled() -> Any:
-            cache = sgl_cache()
-            for key, tensor in zip(keys, tensors, strict=True):
-                cache.insert(sgl.InsertParams(key=key, value=tensor))
-            tokens["sgl"] = cache.evictable_size()
-            return cache
-
-        def ref(cache: RadixCache) -> int:
-            while cache.evict(step):
-                pass
-            return tokens["ref"]
-
-        def engine_run(cache: Any) -> int:
-            while cache.evict(sgl.EvictParams(num_tokens=step)).num_tokens_evicted:
-                pass
-            return tokens["sgl"]
-
-        return ref_filled, sgl_filled, lambda which, cache: (ref if which == "ref" else engine_run)(cache)
-
-    short, long_ = insert_match(int(4_000 * scale), 32), insert_match(int(400 * scale), 512)
-    pressed = pressure(int(4_000 * scale), 64)
-    ref_filled, sgl_filled, drain_run = drain(int(2_000 * scale), 64, step=16)
+    everything = count * length  # more than the tree holds: one call evicts it all
     return [
-        ("match + insert, 32 tokens", best_rate(ref_cache, short[0], repeat), best_rate(sgl_cache, short[1], repeat)),
-        ("match + insert, 512 tokens", best_rate(ref_cache, long_[0], repeat), best_rate(sgl_cache, long_[1], repeat)),
+        ("match + insert", (RadixCache, ref_insert_match), (sgl_cache, sgl_insert_match)),
         (
-            f"admission under eviction pressure (64 tokens, {BUDGET:,}-token budget, {RUNNING} locked)",
-            best_rate(ref_cache, pressed[0], repeat),
-            best_rate(sgl_cache, pressed[1], repeat),
+            f"admission under eviction pressure ({budget:,}-token budget, {RUNNING} locked)",
+            (RadixCache, ref_pressure),
+            (sgl_cache, sgl_pressure),
         ),
         (
-            "evict drain, 16 tokens at a time (tokens/s)",
-            best_rate(ref_filled, lambda c: drain_run("ref", c), repeat),
-            best_rate(sgl_filled, lambda c: drain_run("sgl", c), repeat),
+            "evict the whole tree in one call (tokens/s)",
+            (ref_filled, ref_drain(everything)),
+            (sgl_filled, sgl_drain(everything)),
+        ),
+        (
+            "evict a request's worth a call (tokens/s; SGLang heaps every evictable leaf per call, "
+            "the reference pops its standing heap)",
+            (ref_filled, ref_drain(length)),
+            (sgl_filled, sgl_drain(length)),
         ),
     ]
 
@@ -326,11 +357,24 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
             continue
         print(f"running {title} ...", file=sys.stderr, flush=True)
-        rows = rows_of(args.repeat, args.scale)
-        shown = [(name, ref, eng, ref / eng) for name, ref, eng in rows]
-        print(table(["operation", "reference ops/s", f"{engine} ops/s", "ratio"], shown, title=title))
+        print(table(*columns(engine, rows_of(args.repeat, args.scale)), title=title))
         print()
     return status
+
+
+def columns(engine: str, rows: list[tuple[str, Any, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """A comparison's headers and rows: each side's rate and the ratio; for rows measured as one rate per run
+    (the radix rows), each side's median and the ratio's min and median over runs."""
+    if not rows or not isinstance(rows[0][1], list):
+        return ["operation", "reference ops/s", f"{engine} ops/s", "ratio"], [[n, r, e, r / e] for n, r, e in rows]
+    headers = ["operation", "reference ops/s (median)", f"{engine} ops/s (median)", "ratio min", "ratio median"]
+    return headers, [[name, *radix_ratios(ref, eng)] for name, ref, eng in rows]
+
+
+def radix_ratios(reference: list[float], engine: list[float]) -> list[float]:
+    """Each side's median rate, then min and median of the ratio of runs made side by side."""
+    ratios = [r / e for r, e in zip(reference, engine, strict=True)]
+    return [statistics.median(reference), statistics.median(engine), min(ratios), statistics.median(ratios)]
 
 
 if __name__ == "__main__":

@@ -12,34 +12,78 @@ Eviction pops unlocked leaves from a heap ordered by last use and trims only
 as many tokens from the last one as are still needed.
 
 Speed: keys and values are tuples, compared a node at a time by C-level slice
-comparison (a binary search finds where a key leaves a node).  The eviction
-heap lives as long as the tree: a node is pushed whenever it may have become
-the least recently used unlocked leaf (created, touched, unlocked, or left
-childless), and an entry is checked when it reaches the top -- a stale one
-(the node since touched, locked, extended or removed) is dropped.  The heap is
-rebuilt from the tree when stale entries outnumber the nodes.
+comparison (a binary search finds where a key leaves a node).  A key or values
+list is checked in C (a long one through ``array("Q")``); a ``Tokens`` is
+checked once, when it is made, as SGLang makes a request's ``RadixKey`` once,
+and hashes once (a lock looks its key up).  Eviction answers its values with
+pointer copies alone.  The eviction heap lives as long as the tree: a node is
+pushed whenever it may have become the least recently used unlocked leaf
+(created, touched, unlocked, or left childless), and an entry is checked when
+it reaches the top -- a stale one (the node since touched, locked, extended or
+removed) is dropped.  The heap is rebuilt from the tree when stale entries
+outnumber the nodes.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import Any
+
+import numpy as np
 
 from kvspec.spec.block_manager import check_tokens
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.prefix_cache import ExtraKey, check_extra_key
 from kvspec.spec.radix_cache import Key, RadixState, name_tokens
 
+LONG_KEY = 128  # tokens from which a key is checked through an array (see _plain_ints)
+
+
+class Tokens(tuple[int, ...]):
+    """Token ids (or values) checked once, as SGLang builds a request's ``RadixKey`` once: every call takes
+    them as they are, and a lock, which looks its key up by hash, hashes a long key once."""
+
+    _hash: int
+
+    def __new__(cls, tokens: Sequence[int]) -> Tokens:
+        return super().__new__(cls, _tokens(tokens))
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash = tuple.__hash__(self)
+            return self._hash
+
 
 def _tokens(tokens: Any) -> tuple[int, ...]:
     """``check_tokens`` with the common case (a list or tuple of plain ints) checked in C."""
     kind = type(tokens)
-    if (kind is tuple or kind is list) and set(map(type, tokens)) <= {int} and (not tokens or min(tokens) >= 0):
+    if kind is Tokens:
+        return tokens  # checked when it was made
+    if (kind is tuple or kind is list) and _plain_ints(tokens):
         return tokens if kind is tuple else tuple(tokens)
     return check_tokens(tokens, allow_empty=True)
+
+
+def _plain_ints(tokens: Sequence[Any]) -> bool:
+    """Whether every token is a non-negative int, or else, rarely, something the exact check must answer.
+
+    A long key goes through ``array("Q")``, which takes exactly the integers 0 .. 2**64 - 1 and bools -- and
+    a bool can only sit where the array holds 0 or 1, so only those tokens need their type looked at; a short
+    one is cheaper to check token by token.
+    """
+    if len(tokens) < LONG_KEY:
+        return set(map(type, tokens)) <= {int} and (not tokens or min(tokens) >= 0)
+    try:
+        words = np.frombuffer(array("Q", tokens), dtype=np.uint64)
+    except (TypeError, OverflowError):
+        return False
+    return not any(type(tokens[i]) is bool for i in np.flatnonzero(words <= 1).tolist())
 
 
 def _shared(key: Key, depth: int, node_key: Key) -> int:
@@ -55,6 +99,16 @@ def _shared(key: Key, depth: int, node_key: Key) -> int:
         else:
             high = middle
     return low
+
+
+def _deepest_first(parts: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """``parts`` each reversed, one after another: the whole reversed, built by pointer copies alone (a
+    reversed slice of each part, or a chain of them, costs a few times more a token)."""
+    flat: list[int] = []
+    for part in reversed(parts):
+        flat += part
+    flat.reverse()
+    return tuple(flat)
 
 
 class Node:
@@ -113,11 +167,12 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._protected += len(node.key)
             node.lock_ref += 1
-        self._locks[named] += 1
+        self._locks[named] += 1  # a lookup and a store: a long key hashes in O(length), a Tokens once
 
     def unlock(self, key: Sequence[int], extra_key: ExtraKey = None) -> None:
         named = self._named(_tokens(key) or check_tokens(key, allow_empty=False), extra_key, whole_pages=True)
-        if not self._locks.get(named):
+        held = self._locks.get(named)
+        if not held:
             raise InvalidOperation(f"cannot unlock {tuple(key)}: it holds no lock")
         path = self._walk(named)
         for node in path:
@@ -125,22 +180,24 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._protected -= len(node.key)
         self._push_if_evictable(path[-1])
-        self._locks[named] -= 1
-        if self._locks[named] == 0:
-            del self._locks[named]
+        if held == 1:
+            self._locks.pop(named)
+        else:
+            self._locks[named] = held - 1
 
     def evict(self, num_tokens: int) -> tuple[int, ...]:
         if type(num_tokens) is not int or num_tokens < 0:
             raise InvalidOperation(f"cannot evict {num_tokens!r} tokens")
-        heap, evicted = self._heap, list[int]()
-        while len(evicted) < num_tokens and heap:
+        heap, evicted, count = self._heap, list[tuple[int, ...]](), 0  # the values each leaf gave up, in order
+        while count < num_tokens and heap:
             last_use, _, node = heap[0]
             if node.parent is None or node.children or node.lock_ref or node.last_use != last_use:
                 heapq.heappop(heap)  # stale: removed, extended, locked or touched since it was pushed
                 continue
-            wanted = num_tokens - len(evicted)
+            wanted = num_tokens - count
             take = min(wanted + -wanted % self._page_size, len(node.key))  # whole pages
-            evicted += node.values[: -take - 1 : -1]
+            evicted.append(node.values[-take:])
+            count += take
             self._total -= take
             if take < len(node.key):
                 node.key, node.values = node.key[:-take], node.values[:-take]
@@ -153,7 +210,7 @@ class RadixCache:
             self._nodes_count -= 1
             if parent is not self._root:
                 self._push_if_evictable(parent)
-        return tuple(evicted)
+        return _deepest_first(evicted)
 
     def total_size(self) -> int:
         return self._total
