@@ -92,6 +92,12 @@ TINY_LLAMA = {  # all ModelConfig reads: no weights, no tokenizer
 def scheduler_engine() -> SimpleNamespace:
     """vLLM's scheduler and configs, imported on the CPU platform with the hub offline."""
     on_cpu()
+    import vllm.platforms
+
+    if not vllm.platforms.current_platform.device_type:
+        # vLLM resolved its platform before VLLM_TARGET_DEVICE was set (an earlier import of its BlockPool,
+        # say): let it resolve again, as the CPU one, which the configs below need
+        vllm.platforms._current_platform = None
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import ModelRunnerOutput
