@@ -153,6 +153,8 @@ class LMCacheStore:
         shared.adopt(self)
 
     def close(self) -> None:
+        for key in list(self.dram.hot_cache):  # give every chunk back, pinned or not: the store is gone
+            self.dram.remove(key, force=True)
         self.disk.close()
         self.dram.close()
         self.staging.close()
