@@ -42,8 +42,8 @@ Conventions, as read from ``paging/block_manager/base_block_manager.py``:
   freed blocks just before the free region, so they are handed out next;
   ``policies=("lru",)`` (no prefix caching: nothing is cached or evicted).
 * No fork (``DefaultBlockManager`` has none) and no partial swap-in.
-* ``trusts_caller=True``: the allocator takes a free of a block twice, and a
-  negative count.
+* Its caller is not trusted: a kvspec sequence the adapter does not hold, or
+  tokens that are no token ids, cannot be mapped and are refused.
 """
 
 from __future__ import annotations
@@ -60,10 +60,8 @@ from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
 
 VERSION = "0.18.0"
-CONVENTIONS = Conventions(pool=PoolConventions(unhashed_free_position="head", policies=("lru",)), trusts_caller=True)
+CONVENTIONS = Conventions(pool=PoolConventions(unhashed_free_position="head", policies=("lru",)))
 GPU, CPU = "gpu", "cpu"
-
-IN_PRODUCTION: dict[str, str] = {}
 
 
 def engine_modules() -> Any:

@@ -44,6 +44,8 @@ Conventions, as read from ``mooncake-store/src/master_service.cpp`` (``ExistKey`
   10-minute TTL, longer than any example, and model time never advances.
 * ``eviction="background"``, ``victims="engine"``: ``BatchEvict`` picks by lease
   timeout across randomly ordered shards.  Leased, nothing is ever evictable here.
+* Its caller is not trusted: the master refuses the removal of a leased
+  object (-706), and what the adapter maps (a node, a pin) it checks.
 * What the adapter cannot make exact, it declares above: lease ends (not
   observable, the TTL outlasts an example), the eviction order, and which
   replica a read through a node's client comes from (the local one, as the
@@ -84,14 +86,11 @@ CONVENTIONS = Conventions(
         eviction="background",
         victims="engine",
     ),
-    trusts_caller=True,
 )
 MIB = 1 << 20
 SEGMENT = 16 * MIB  # the smallest segment the store accepts
 HEAD = 64  # a block's tokens: a count and up to 15 token ids, as little-endian int32
 NO_SPACE = -200
-
-IN_PRODUCTION: dict[str, str] = {}
 
 
 def free_port() -> int:
