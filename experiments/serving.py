@@ -117,7 +117,7 @@ def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
 def request(request_id: int, prompt_len: int, output_len: int) -> Request:
     """A request whose prompt is ``prompt_len`` tokens: only lengths matter to memory and time."""
     prompt = tuple(range(prompt_len))
-    return Request(request_id, prompt, output_len)  # type: ignore[arg-type]  # mypy cannot type attrs' tuple converter
+    return Request(request_id, prompt, output_len)
 
 
 # -- time ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import attrs
 
 from kvspec.impl.block_pool import BlockPool
 from kvspec.report import emit_json, progress, pyplot, table
-from kvspec.spec.block_pool import POLICIES, Policy
+from kvspec.spec.block_pool import POLICIES, BatchBlockPool, Policy
 from kvspec.spec.block_pool import BlockPool as PoolProtocol
 from kvspec.spec.components import Offer, every_operation
 
@@ -95,11 +95,13 @@ def replay(
     """Hit blocks of each request with a pool of ``capacity`` blocks (None: one per distinct block)."""
     if capacity is None:
         capacity = len({b for request in trace.blocks for b in request})
-    serve = _replay_in_batches if all(map(pool.offers, BATCH_OPERATIONS)) else _replay_block_by_block
-    return serve(pool(capacity, policy), trace.blocks)
+    built = pool(capacity, policy)
+    if all(map(pool.offers, BATCH_OPERATIONS)) and isinstance(built, BatchBlockPool):
+        return _replay_in_batches(built, trace.blocks)
+    return _replay_block_by_block(built, trace.blocks)
 
 
-def _replay_in_batches(pool: PoolProtocol, requests: Sequence[Sequence[int]]) -> tuple[int, ...]:
+def _replay_in_batches(pool: BatchBlockPool, requests: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """Five pool calls a request: this loop is the replay's whole cost, so its calls are bound once."""
     lookup_prefix, share, allocate, register_blocks = (
         pool.lookup_prefix,

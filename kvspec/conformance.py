@@ -604,7 +604,9 @@ def verdict_of(run: Run, profile: str) -> Verdict:
     violated = {name for name, _, _ in run.found}
     implementation = run.implementation
     # a rule judged only through borrowed components is "not offered" by this implementation
-    borrowed = {kind: None for kind in implementation.borrowed if kind in attrs.fields_dict(Implementation)}
+    borrowed: dict[str, Any] = {
+        kind: None for kind in implementation.borrowed if kind in attrs.fields_dict(Implementation)
+    }
     unoffered = harness.unoffered(attrs.evolve(implementation, **borrowed))
 
     def verdict(rule: Invariant) -> str:
