@@ -12,7 +12,7 @@ side's median rate and the ratio's min and median.  Prints ratios; asserts nothi
 about time.
 
     python -m bench.bench_engines               # both comparisons (the engines installed as the README says)
-    python -m bench.bench_engines --only vllm   # or --only sglang
+    python -m bench.bench_engines --only vllm   # or --only sglang, --only transformers
 """
 
 from __future__ import annotations
@@ -332,9 +332,96 @@ def radix_regimes(sgl: Any, count: int, length: int) -> list[tuple[str, Side, Si
     ]
 
 
+# -- SGLang's radix cache over its paged allocator; HF transformers' continuous-batching cache ---------
+
+
+def page_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
+    """The reference page manager against SGLang's tree over its real allocator, both behind the radix-page-manager
+    calls (the engine through ``kvspec.adapters.sglang_pages``, whose replayed scheduler calls are the engine's)."""
+    from kvspec.adapters.sglang_pages import SglangPages
+    from kvspec.impl.radix_pages import RadixPageManager
+
+    pages, page_size, decodes = 512, 16, 16
+    prompts = sequences(int(1_000 * scale), 64, seed=5)
+
+    def serve(manager: Any) -> int:
+        for rid, prompt in enumerate(prompts):
+            if manager.admit(rid, prompt) is None:
+                continue
+            for step in range(decodes):
+                manager.decode(rid, step)
+            manager.release(rid, True)
+        return len(prompts)
+
+    def reference() -> RadixPageManager:
+        return RadixPageManager(pages, page_size)
+
+    def engine_pages() -> Any:
+        return SglangPages(pages, page_size)
+
+    title = f"serve: admit 64 tokens (shared prefixes), {decodes} decodes, release (pages of {page_size})"
+    return [(title, best_rate(reference, serve, repeat), best_rate(engine_pages, serve, repeat))]
+
+
+def hf_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
+    """The reference block and sliding-window managers against HF's allocators through their own calls
+    (``can_store_request_tokens``, ``free_blocks``, ``try_to_free_sectors``; no forward pass)."""
+    from kvspec.adapters.transformers import engine, paged_cache
+    from kvspec.impl.block_manager import BlockManager
+    from kvspec.impl.sliding_window import SlidingWindowManager
+
+    hf = engine()
+    blocks, size, window, prompt, decodes = 512, 16, 256, 64, 32
+    requests = int(2_000 * scale)
+
+    def ref_requests(manager: Any) -> int:
+        for seq in range(requests):
+            manager.add_sequence(seq, list(range(prompt)))
+            for step in range(decodes):
+                manager.append(seq, [step])
+            manager.free(seq)
+        return requests
+
+    def ref_windows(manager: Any) -> int:
+        for seq in range(requests // 8):
+            manager.add_sequence(seq, prompt)
+            for _ in range(8 * decodes):
+                manager.append(seq, 1)
+            manager.free(seq)
+        return requests // 8
+
+    def hf_requests(cache: Any, count: int = requests, steps: int = decodes) -> int:
+        store, free, free_sectors = cache.can_store_request_tokens, cache.free_blocks, cache.pool.try_to_free_sectors
+        for seq in range(count):
+            state = hf.RequestState(request_id=str(seq), initial_tokens=list(range(prompt)))
+            store(state, prompt)
+            state.position_offset = prompt
+            for _ in range(steps):
+                store(state, 1)
+                state.position_offset += 1
+            free(state.request_id)
+            free_sectors()
+        return count
+
+    return [
+        (
+            f"admit {prompt}, {decodes} decodes, free (blocks of {size})",
+            best_rate(lambda: BlockManager(BlockPool(blocks, "lru"), size), ref_requests, repeat),
+            best_rate(lambda: paged_cache(blocks, size), hf_requests, repeat),
+        ),
+        (
+            f"sliding window of {window}: admit {prompt}, {8 * decodes} decodes, free (HF: a ring)",
+            best_rate(lambda: SlidingWindowManager(BlockPool(blocks, "lru"), size, window), ref_windows, repeat),
+            best_rate(
+                lambda: paged_cache(blocks, size, window), lambda c: hf_requests(c, requests // 8, 8 * decodes), repeat
+            ),
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_engines", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("vllm", "sglang"), default=None)
+    parser.add_argument("--only", choices=("vllm", "sglang", "transformers"), default=None)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every operation count")
     args = parser.parse_args(argv)
@@ -347,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             "reference prefix-caching manager vs vLLM's (4,096 blocks)",
         ),
         ("sglang", "SGLang RadixCache", radix_rows, "reference RadixCache vs SGLang's (simulated allocator)"),
+        ("sglang", "SGLang pages", page_rows, "reference RadixPageManager vs SGLang's RadixCache + paged allocator"),
+        ("transformers", "HF continuous batching", hf_rows, "reference managers vs HF's PagedAttentionCache"),
     ]
     status = 0
     for module, engine, rows_of, title in comparisons:

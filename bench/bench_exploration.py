@@ -75,7 +75,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     base = Settings.get_profile(args.profile)
-    chosen = [(title, path) for title, path in suite.MACHINES if args.machine in title]
+    reference = loading.load_implementation(loading.REFERENCE)
+    chosen = [
+        (title, path)
+        for title, path in suite.MACHINES
+        if args.machine in title and not suite.load_machine(path).not_offered(reference)  # the reference's own
+    ]
     rows = [score(title, path, base) for title, path in progress(chosen, "machines")]
     if args.json:
         emit_json({"profile": args.profile, "machines": rows, "targets": target_rows(rows)})

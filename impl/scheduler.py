@@ -103,6 +103,7 @@ class Scheduler:
             finished=tuple(self._finished),
             gpu=self._gpu.snapshot(),
             cpu=self._cpu.snapshot(),
+            queue=tuple(group.request.request_id for group in self._admission_candidates()),
         )
 
     # -- the decode phase ---------------------------------------------------------------

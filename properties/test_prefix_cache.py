@@ -11,9 +11,13 @@ blocks are common; sequence ids come from a few fixed slots.  Extra keys are
 None, an earlier key (so it hits), a near miss of an earlier key (so a
 careless encoding collides) or a new rich key.
 
-The search revisits: it retries the last rejected write once the cache has
-changed, re-admits an earlier request's prompt and key in the same slot or
-another, and replays an earlier prompt after evicting cached blocks.
+The search revisits: it keeps every write refused for want of room, with the
+prompt's cached blocks as they were then, and retries one -- in its slot, with
+its prompt and key -- before and after admissions (which may take those blocks
+out of the free queue), after frees and after evictions, preferring one whose
+cached blocks have changed since; it re-admits an earlier request's prompt and
+key in the same slot or another, and replays an earlier prompt after evicting
+cached blocks.
 
 ``DeferredCommitMachine`` runs the same rules on a manager that registers
 blocks only when the forward has run (``commit="after_forward"``): requests
@@ -25,7 +29,7 @@ as well.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from hypothesis import event
 from hypothesis import strategies as st
@@ -35,14 +39,27 @@ from kvspec.properties.alphabets import EDGE_TOKENS, RICH_KEYS, TOKEN_WRAPS, nea
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import block_manager, block_pool
 from kvspec.spec import prefix_cache as model
+from kvspec.spec.block_manager import blocks_for
+from kvspec.spec.errors import KVSpecError, OutOfBlocks
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import invariant_result_matches_spec
+from kvspec.spec.prefix_cache import max_hit_blocks
 
 TOKENS = st.one_of(st.integers(0, 2), st.integers(0, 2), st.integers(0, 2), EDGE_TOKENS)
 NOT_EXTRA_KEYS = st.sampled_from([1.5, ["list"], frozenset({1}), True])
 NOT_TOKENS = st.sampled_from([-1, 1.5, True, "7", None])
 SEQS = st.integers(0, 3)  # the slots that sequences live in
 REQUEST = 4  # the id a whole request is served under (serve_request frees it before returning)
+CachedBlocks = tuple[tuple[int, bool], ...]  # each cached block of a prompt, in order, with whether it is free
+
+
+class Refusal(NamedTuple):
+    """A write refused: the call, and for an admission the blocks cached for its prompt then."""
+
+    operation: str
+    seq: int
+    args: tuple[object, ...]
+    cached: CachedBlocks | None
 
 
 def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
@@ -85,10 +102,18 @@ class PrefixCacheMachine(LockstepMachine):
             st.lists(TOKENS, max_size=block_size + 1),
         )
         self.new_tokens = st.lists(TOKENS, max_size=block_size + 2)
+        self.turns = st.lists(TOKENS, min_size=1, max_size=2 * block_size)
         self.keys: list[model.ExtraKey] = []  # every extra key drawn so far
         self.admitted: list[tuple[int, list[int], model.ExtraKey, int]] = []  # (slot, prompt, key, evictions then)
-        self.rejected: tuple[str, int, tuple[object, ...]] | None = None  # the last write refused
+        self.refusals: list[Refusal] = []  # every write refused and not retried yet
         self.evictions = 0  # cached blocks forgotten so far, by evict or by allocation
+        # under load from the start: requests fill the slots until one is refused for want of room, and waits
+        # for it (swarm testing turns every rule that admits off in about a quarter of the examples)
+        for seq in range(data.draw(st.just(REQUEST) | st.integers(0, REQUEST), label="requests at the start")):
+            _, prompt, extra_key = self.request(data)
+            if not self.admit(seq, prompt, extra_key):
+                self.make_room(data)
+                break
 
     def extra_key(self, data: st.DataObject) -> model.ExtraKey:
         """None, an earlier key (a hit), a near miss of one (a collision, if the encoding is careless), or a new one."""
@@ -122,7 +147,8 @@ class PrefixCacheMachine(LockstepMachine):
         before = self.manager.snapshot()
         answer = self.manager(operation, seq, *args, judged_by=None)  # plans are judged piece by piece below
         if answer is None:
-            self.rejected = (operation, seq, args)
+            if self.refused_for_room(operation, seq, args):  # the ones a scheduler retries
+                self.refusals.append(Refusal(operation, seq, args, self.cached_blocks(operation, args)))
             return False
         expected, actual = answer.expected, answer.actual
         after = self.manager.snapshot()
@@ -135,6 +161,7 @@ class PrefixCacheMachine(LockstepMachine):
         hits = after.tables[seq][: actual.cached_tokens // size] if operation == "add_sequence" else ()
         self.check(model.invariant_hit_is_exact_prefix, before.pool, after.contents, hits, prompt, size)
         self.check(block_manager.invariant_copy_on_write_exact, expected.copies, actual.copies)
+        self.check(invariant_result_matches_spec, expected.cached_tokens, actual.cached_tokens, against_model=True)
         allocated = [
             b for b, r in enumerate(before.pool.refcounts) if r == 0 < after.pool.refcounts[b] and b not in hits
         ]
@@ -152,33 +179,63 @@ class PrefixCacheMachine(LockstepMachine):
     @rule(seq=SEQS, data=st.data(), same_slot=st.booleans())
     def add_sequence(self, seq: int, data: st.DataObject, same_slot: bool) -> None:
         """A new request in ``seq``, or an earlier one again: in the slot it had (if ``same_slot``) or in ``seq``,
-        freed first, as an engine reuses a finished request's slot."""
+        freed first, as an engine reuses a finished request's slot.  If it does not fit, room is made and a
+        refused write retried (``make_room``); if it does, a refused write is retried as often as not."""
         self.maybe_retry(data)
         earlier, prompt, extra_key = self.request(data)
         if earlier is not None:
             seq = earlier if same_slot and earlier != REQUEST else seq
             if seq in self.manager.model.manager.tables:
                 self.manager("free", seq)
-        self.admit(seq, prompt, extra_key, earlier)
+        if not self.admit(seq, prompt, extra_key, earlier):
+            self.make_room(data)
+        else:
+            self.maybe_retry(data, "then a refused write again")
+
+    def make_room(self, data: st.DataObject) -> None:
+        """What an engine does while a request waits for room: running requests finish, often all of them
+        (their blocks join the free queue, cached); as often as not, the cache is trimmed, or reset; often
+        another request is served first, taking blocks from the free queue -- each may change the blocks cached
+        for the waiting prompt.  Then the waiting request, refused last, is retried, as the head of the waiting
+        queue is at the next step."""
+        waiting = self.refusals[-1] if self.refusals else None
+        running = sorted(self.manager.model.manager.tables)
+        finishing = st.just(running) | st.lists(st.sampled_from(running), unique=True) if running else st.just([])
+        for seq in data.draw(finishing, label="requests that finish"):
+            self.manager("free", seq)
+        if data.draw(st.booleans(), label="the cache is trimmed"):
+            everything = self.manager.model.manager.pool.capacity  # vLLM's reset_prefix_cache
+            self.evict(data.draw(st.integers(1, 3) | st.just(everything), label="blocks trimmed"))
+        if data.draw(st.sampled_from([True, True, False]), label="another request is served first"):
+            _, prompt, extra_key = self.request(data)
+            self.serve(data, prompt, extra_key, None)
+        if waiting in self.refusals:
+            self.retry(waiting)
 
     @rule(seq=SEQS, data=st.data())
     def append(self, seq: int, data: st.DataObject) -> None:
+        """A decode step; then, as often as not, the scheduler retries a write it was refused."""
         self.write("append", seq, data.draw(self.new_tokens, label="tokens"))
+        self.maybe_retry(data, "then a refused write again")
 
     @rule(data=st.data())
     def serve_request(self, data: st.DataObject) -> None:
         """A whole request, new or earlier: look up, admit, decode, finish -- its full blocks stay cached."""
         self.maybe_retry(data)
         earlier, prompt, extra_key = self.request(data)
-        self.serve(data, prompt, extra_key, earlier)
+        if not self.serve(data, prompt, extra_key, earlier):
+            self.make_room(data)
+        else:
+            self.maybe_retry(data, "then a refused write again")
 
-    def serve(self, data: st.DataObject, prompt: list[int], extra_key: model.ExtraKey, earlier: int | None) -> None:
-        """Admit, forward (commit), decode, forward (commit), finish."""
-        self.admit(REQUEST, prompt, extra_key, earlier)
+    def serve(self, data: st.DataObject, prompt: list[int], extra_key: model.ExtraKey, earlier: int | None) -> bool:
+        """Admit, forward (commit), decode, forward (commit), finish; whether it was admitted."""
+        admitted = self.admit(REQUEST, prompt, extra_key, earlier)
         self.forward(REQUEST)
         self.write("append", REQUEST, data.draw(self.new_tokens, label="decoded"))
         self.forward(REQUEST)
         self.manager("free", REQUEST)
+        return admitted
 
     # -- deferred commit ---------------------------------------------------------------
 
@@ -207,17 +264,24 @@ class PrefixCacheMachine(LockstepMachine):
         if self.manager.model.pending.get(REQUEST):
             event("abort before commit")
         self.manager("free", REQUEST)
+        if data.draw(st.booleans(), label="the next request in its slot"):  # its blocks, handed out again
+            _, prompt, extra_key = self.request(data)
+            self.serve(data, prompt, extra_key, None)
 
     # -- revisiting: the same request again ------------------------------------------
 
     def request(self, data: st.DataObject) -> tuple[int | None, list[int], model.ExtraKey]:
         """(None, a new prompt, a key), or -- as often, once there is one -- an earlier admission's
-        (slot, prompt, key): it meets a cache that has changed since, evicted perhaps."""
+        (slot, prompt, key): it meets a cache that has changed since, evicted perhaps.  A new prompt is as
+        often the next turn of an earlier conversation (its prompt and more, its key): it hits the earlier
+        blocks and needs more, so a full pool refuses it with a cached prefix."""
         if bool(self.admitted) and data.draw(st.booleans(), label="an earlier request"):
             slot, prompt, extra_key, evictions = data.draw(st.sampled_from(self.admitted), label="earlier request")
-            if evictions < self.evictions:
-                event("revisit: replayed a prompt after eviction")
-            return slot, prompt, extra_key
+            if not data.draw(st.booleans(), label="its next turn"):
+                if evictions < self.evictions:
+                    event("revisit: replayed a prompt after eviction")
+                return slot, prompt, extra_key
+            return None, prompt + data.draw(self.turns, label="next turn"), extra_key
         return None, data.draw(self.prompts, label="prompt"), self.extra_key(data)
 
     def admit(self, seq: int, prompt: list[int], extra_key: model.ExtraKey, earlier: int | None = None) -> bool:
@@ -230,23 +294,62 @@ class PrefixCacheMachine(LockstepMachine):
         self.admitted.append((seq, prompt, extra_key, self.evictions))
         return True
 
-    def maybe_retry(self, data: st.DataObject) -> None:
-        """A scheduler retries its refused request before taking a new one -- as often as not."""
-        if self.rejected is not None and data.draw(st.booleans(), label="retry the refused write first"):
-            self.retry_rejected()
+    def maybe_retry(self, data: st.DataObject, label: str = "a refused write again first") -> None:
+        """A scheduler retries its refused requests as it takes new ones -- as often as not."""
+        if bool(self.refusals) and data.draw(st.booleans(), label=label):
+            self.retry_rejected(data)
 
-    @precondition(lambda self: self.rejected is not None)
-    @rule()
-    def retry_rejected(self) -> None:
-        """Retry the last refused write as it was, now that the cache may have changed."""
-        assert self.rejected is not None
-        operation, seq, args = self.rejected
-        self.rejected = None
+    def refused_for_room(self, operation: str, seq: int, args: tuple[object, ...]) -> bool:
+        """Whether the model refuses this write for want of room (not as out of contract), and an admission's
+        prompt would fit the empty pool (one that never fits, an engine refuses for good)."""
+        pool = self.manager.model.manager.pool
+        if operation == "add_sequence" and blocks_for(len(args[0]), self.block_size) > pool.capacity:  # type: ignore[arg-type]
+            return False
+        try:
+            getattr(model, operation)(self.manager.model, seq, *args)
+        except OutOfBlocks:
+            return True
+        except KVSpecError:
+            return False
+        return False
+
+    def cached_blocks(self, operation: str, args: tuple[object, ...]) -> CachedBlocks | None:
+        """For an admission, the cached blocks it would share now (its prompt's run of hits, its last block
+        aside), each with whether it is free; None for another write, or a malformed one."""
+        if operation != "add_sequence":
+            return None
+        try:
+            hits = model.cached_prefix(self.manager.model, *args)  # type: ignore[arg-type]
+        except KVSpecError:
+            return None
+        refcounts = self.manager.model.manager.pool.refcounts
+        shared = hits[: max_hit_blocks(len(args[0]), self.block_size)]  # type: ignore[arg-type]
+        return tuple((block, refcounts[block] == 0) for block in shared)
+
+    def changed_since(self, refusal: Refusal) -> bool:
+        """Whether the refused admission's cached blocks were evicted, or taken from the free queue, since."""
+        return refusal.cached is not None and refusal.cached != self.cached_blocks(refusal.operation, refusal.args)
+
+    @precondition(lambda self: self.refusals)
+    @rule(data=st.data())
+    def retry_rejected(self, data: st.DataObject) -> None:
+        """A refused write again as it was -- in its slot (finished first, if another request holds it now), with
+        its prompt and key -- as often one whose cached blocks have changed since, if there is one."""
+        changed = [refusal for refusal in self.refusals if self.changed_since(refusal)]
+        choices = st.sampled_from(self.refusals)
+        self.retry(data.draw(st.sampled_from(changed) | choices if changed else choices, label="refused write"))
+
+    def retry(self, refusal: Refusal) -> None:
+        self.refusals.remove(refusal)
         event("revisit: retried a rejected call")
-        if operation == "add_sequence":
-            self.admit(seq, *args)  # type: ignore[arg-type]
-        else:
-            self.write(operation, seq, *args)
+        if refusal.operation != "add_sequence":
+            self.write(refusal.operation, refusal.seq, *refusal.args)
+            return
+        if self.changed_since(refusal):
+            event("revisit: retried a refused admission after its cached blocks changed")
+        if refusal.seq in self.manager.model.manager.tables:
+            self.manager("free", refusal.seq)
+        self.admit(refusal.seq, *refusal.args)  # type: ignore[arg-type]
 
     @rule(seq=SEQS, append=st.booleans(), data=st.data())
     def malformed(self, seq: int, append: bool, data: st.DataObject) -> None:
@@ -263,16 +366,18 @@ class PrefixCacheMachine(LockstepMachine):
     def fork(self, parent: int, child: int) -> None:
         self.manager("fork", parent, child)
 
-    @rule(seq=SEQS, retry=st.booleans())
-    def free(self, seq: int, retry: bool) -> None:
-        """Finish a request; then, if ``retry``, the scheduler retries the write it was refused."""
-        if self.manager("free", seq) is not None and retry and self.rejected is not None:
-            self.retry_rejected()
+    @rule(seq=SEQS, data=st.data())
+    def free(self, seq: int, data: st.DataObject) -> None:
+        """Finish a request; then, as often as not, the scheduler retries a write it was refused."""
+        if self.manager("free", seq) is not None:
+            self.maybe_retry(data, "then a refused write again")
 
     @rule(data=st.data())
     def lookup(self, data: st.DataObject) -> None:
+        """A scheduler's probe; then, as often as not, a refused write again."""
         _, prompt, extra_key = self.request(data)
         self.query_cached_prefix(prompt, extra_key)
+        self.maybe_retry(data, "then a refused write again")
 
     def query_cached_prefix(self, tokens: list[int], extra_key: model.ExtraKey) -> None:
         """What a scheduler asks before admitting (vLLM's get_computed_blocks): it must change nothing."""
@@ -289,8 +394,10 @@ class PrefixCacheMachine(LockstepMachine):
 
     @rule(n=st.integers(-1, 3), data=st.data())
     def evict_and_replay(self, n: int, data: st.DataObject) -> None:
-        """Evict cached blocks; then, as often, serve an earlier request again: a shorter hit, or none."""
+        """Evict cached blocks; then, as often, a refused write again, and serve an earlier request again: a
+        shorter hit, or none."""
         self.evict(n)
+        self.maybe_retry(data, "then a refused write again")
         if bool(self.admitted) and data.draw(st.booleans(), label="replay an earlier request"):
             earlier, prompt, extra_key, _ = data.draw(st.sampled_from(self.admitted), label="earlier request")
             event("revisit: replayed a prompt after eviction")

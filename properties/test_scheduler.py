@@ -53,6 +53,53 @@ from kvspec.spec.scheduler import (
 )
 
 CPU_BLOCKS, BLOCK_SIZES = st.integers(1, 6), st.integers(1, 4)
+CachedBlocks = tuple[tuple[int, bool], ...]  # the blocks a prefill would share, each with whether it is free
+
+
+def cached_blocks(state: model.Model, group: model.Group) -> CachedBlocks:
+    refcounts = model.tables_of(state.gpu).pool.refcounts
+    return tuple((block, refcounts[block] == 0) for block in admission.prefix_hits(state.gpu, group.request.prompt))
+
+
+def victims_with_grants(state: model.Model) -> set[int]:
+    """The requests a step from ``state`` preempts after granting them their tokens: the decode phase's grants
+    (``preemption.grant_decodes``) replayed one by one, to see which a victim held when it was taken."""
+    granted: dict[int, int] = {}  # request -> the blocks its grant takes
+    taken = set()
+    for group in [g for g in state.groups if g.location == "running"]:
+        if model.find(state, group.request.request_id).location != "running":
+            continue
+        demand = preemption.decode_demand(state.gpu, group)
+        while sum(granted.values()) + demand > model.free_blocks(state.gpu):
+            victim = max((g for g in state.groups if g.location == "running"), key=model.ranking(state))
+            state, _ = preemption.preempt(state, victim)
+            if granted.pop(victim.request.request_id, None) is not None:
+                taken.add(victim.request.request_id)
+            if victim.request.request_id == group.request.request_id:
+                break
+        else:
+            granted[group.request.request_id] = demand
+    return taken
+
+
+def watch_plans(manager: Any, plans: list[tuple[Any, int]]) -> bool:
+    """Record in ``plans`` the cached tokens of every plan ``manager`` answers an admission with: the scheduler
+    reports its own probe's, and the manager may tell it otherwise (a value it memoized).  False when the
+    manager takes no attribute of ours (then nothing is recorded)."""
+    add_sequence = manager.add_sequence
+
+    def recorded(seq: Any, *args: Any, **kwargs: Any) -> Any:
+        plan = add_sequence(seq, *args, **kwargs)
+        plans.append((seq, plan.cached_tokens))
+        return plan
+
+    try:
+        manager.add_sequence = recorded
+    except AttributeError:
+        return False
+    return True
+
+
 GPU_BLOCKS, WATERMARKS = st.integers(3, 8), st.integers(0, 2)
 
 
@@ -73,6 +120,7 @@ class SchedulerMachineBase(LockstepMachine):
     policy: ClassVar[QueuePolicy] = "fcfs"
     samples: ClassVar[st.SearchStrategy[int]] = st.integers(1, 3)
     readiness: ClassVar[st.SearchStrategy[bool]] = st.just(True)  # False: the request arrives not ready
+    batches_not_ready: ClassVar[bool] = False  # arrivals come, as often as not, in batches not ready
     priorities: ClassVar[st.SearchStrategy[int]] = st.just(0)
     caching: ClassVar[bool] = False  # both devices' managers cache prefixes
 
@@ -104,14 +152,16 @@ class SchedulerMachineBase(LockstepMachine):
         prompt_len = data.draw(st.integers(1, 2 * self.sizes[2]), label="prompt_len")
         return tuple(data.draw(st.lists(st.integers(0, 9), min_size=prompt_len, max_size=prompt_len), label="prompt"))
 
-    def draw_request(self, data: st.DataObject) -> Request:
-        """Sizes in blocks, so that two or three requests overfill the GPU and preemption is common."""
+    def draw_request(self, data: st.DataObject, ready: bool | None = None, priority: int | None = None) -> Request:
+        """Sizes in blocks, so that two or three requests overfill the GPU and preemption is common; ready and of
+        the priority the arguments say, or as drawn."""
         prompt = self.draw_prompt(data)
         max_new_tokens = data.draw(st.integers(1, 3 * self.sizes[2]), label="max_new_tokens")
         manager = "prefix_caching_manager" if self.caching else "block_manager"
         n = data.draw(self.samples if self.offers(manager, "fork") else st.just(1), label="n")
-        priority = data.draw(self.priorities, label="priority")
-        readiness = self.readiness if self.offers("scheduler", "not_ready") else st.just(True)
+        priority = data.draw(self.priorities, label="priority") if priority is None else priority
+        readiness = self.readiness if ready is None else st.just(ready)
+        readiness = readiness if self.offers("scheduler", "not_ready") else st.just(True)
         self.next_id += 1
         return Request(self.next_id, prompt, max_new_tokens, n, priority, data.draw(readiness, label="ready"))
 
@@ -166,6 +216,9 @@ class SchedulerMachine(SchedulerMachineBase):
         self.requests: list[Request] = []  # every request accepted, in arrival order
         self.rejected: tuple[str, Any] | None = None  # the last call the spec refused
         self.admitted: set[int] = set()
+        self.plans: list[tuple[Any, int]] = []  # (sequence, cached tokens) the GPU manager planned in this step
+        self.plans_watched = self.caching and watch_plans(self.scheduler.impl.gpu, self.plans)
+        self.stopped_at: tuple[int, CachedBlocks] | None = None  # the request admission stopped at, its hits then
 
     def memory(self, capacity: int) -> model.Memory:
         pool = block_pool.new_pool(capacity, "lru", self.conventions.pool)
@@ -192,20 +245,24 @@ class SchedulerMachine(SchedulerMachineBase):
     )
     def arrive_request(self, data: st.DataObject, burst: list[str], then_steps: int) -> None:
         """A burst of arrivals between two iterations -- each a new request, an earlier prompt again, or the
-        last refused call again -- then (often) steps.
+        last refused call again; where requests may arrive not ready, as often as not a batch of them whose
+        remote KV is still on its way -- then (often) steps.
 
         Several arrivals before one step make one step admit several requests, the watermark and the
         queue order matter within a step.  Revisits ride on the arrival rule, which runs in nearly every
         example (swarm testing disables a rule of its own in many); arrivals step the scheduler because
         it often disables the step rule.
         """
+        not_ready = self.batches_not_ready and data.draw(st.booleans(), label="a batch not ready yet")
+        # in falling priority: the burst's first requests yield to its later ones (a batch job, then chats)
+        priorities = sorted(data.draw(st.lists(self.priorities, min_size=3, max_size=3), label="priorities"))
         for source in burst:
             if source == "retry":
                 self.retry_refused()
             elif source == "earlier prompt" and self.requests:
                 self.arrive_earlier_prompt(data.draw(st.integers(0, 7), label="earlier"))
             else:
-                self.arrive(self.draw_request(data))
+                self.arrive(self.draw_request(data, False if not_ready else None, priorities.pop()))
         if len(burst) > 1:
             event("a burst of arrivals")
         self.step(then_steps)
@@ -252,19 +309,48 @@ class SchedulerMachine(SchedulerMachineBase):
 
     def step(self, count: int) -> None:
         for _ in range(count):
-            before = self.scheduler.impl.snapshot()
+            before, spec_before = self.scheduler.impl.snapshot(), self.scheduler.model
+            self.plans.clear()
             answer = self.scheduler("step", judged_by=None)
             if answer is None:
                 return
             self.check(admission.invariant_hits_probed_at_admission, answer.expected, answer.actual, against_model=True)
+            if self.plans_watched:  # the manager's own report of each admission, beside the scheduler's
+                told = StepReport(cached_tokens=tuple((seq[0], cached) for seq, cached in self.plans if seq[1] == 0))
+                self.check(admission.invariant_hits_probed_at_admission, answer.expected, told, against_model=True)
             self.check(invariant_result_matches_spec, answer.expected, answer.actual)
             self.stepped(before, answer.actual)
             expected = model.abstract(self.scheduler.model)
             self.check(invariant_scheduler_refines_spec, self.scheduler.impl.snapshot(), expected)
+            self.reached(spec_before, self.scheduler.model, answer.expected)
             self.admitted.update(answer.expected.admitted)
             for _, cached in answer.expected.cached_tokens:
                 hits = cached // self.sizes[2]
                 event(f"admission hit {hits if hits < 3 else '3+'} blocks" if self.caching else "admission")
+
+    def reached(self, before: model.Model, after: model.Model, report: StepReport) -> None:
+        """What the step's admission pass met: requests not ready it passed over, a request it stopped at for want
+        of room after its cached blocks changed since it was last stopped at, victims whose grant was taken."""
+        queue = model.queued(after)
+        stop = next((group for group in queue if group.ready), None)
+        passed = sum(1 for group in queue[: queue.index(stop) if stop else len(queue)] if not group.ready)
+        if passed:
+            event(f"admission passed over {'2+ requests' if passed > 1 else '1 request'} not ready")
+        if self.stopped_at is not None:
+            rid, then = self.stopped_at
+            waiting = next((g for g in before.groups if g.request.request_id == rid and g.location == "waiting"), None)
+            attempted = rid in report.admitted or (stop is not None and stop.request.request_id == rid)
+            probed = preemption.decode_phase(before)[0]  # admission probes after the step's decode phase
+            if waiting and attempted and cached_blocks(probed, waiting) != then:
+                event("retried a refused admission after its cached blocks changed")
+        if (
+            stop is not None
+            and stop.location == "waiting"
+            and all(rid != stop.request.request_id for rid, _ in report.preempted)
+        ):
+            self.stopped_at = (stop.request.request_id, cached_blocks(after, stop))
+        if victims_with_grants(before) & {rid for rid, _ in report.preempted}:
+            event("a grant taken from a victim")
 
     @rule(index=st.integers(0, 8))
     def abort(self, index: int) -> None:
@@ -311,6 +397,7 @@ class CachedSchedulerMachine(SchedulerMachine):
 
     caching: ClassVar[bool] = True
     readiness: ClassVar[st.SearchStrategy[bool]] = st.sampled_from([True, True, False])
+    batches_not_ready: ClassVar[bool] = True
     uses = frozenset({"block_pool", "prefix_caching_manager", "scheduler"})
     requires = {"scheduler": frozenset({"prefix_caching"})}
 
@@ -347,12 +434,15 @@ class CachedSchedulerMachine(SchedulerMachine):
         self.step(then_steps)
 
     @precondition(lambda self: self.offers("scheduler", "not_ready"))
-    @rule(index=st.integers(0, 4), then_steps=st.integers(0, 2))
-    def mark_ready(self, index: int, then_steps: int) -> None:
-        """A request not ready gets its remote KV (often); a ready or unknown one is out of contract."""
-        request_id = self.unfinished(index, ready=False)
-        if self.call("mark_ready", request_id):
-            event("marked ready")
+    @rule(indices=st.lists(st.integers(0, 4), min_size=1, max_size=3), then_steps=st.integers(0, 2))
+    def mark_ready(self, indices: list[int], then_steps: int) -> None:
+        """Requests not ready get their remote KV, often several before one step (the transfers of one batch land
+        together); a ready or unknown one is out of contract."""
+        marked = 0
+        for index in indices:
+            if self.call("mark_ready", self.unfinished(index, ready=False)):
+                marked += 1
+        event("marked several ready at once" if marked > 1 else "marked ready" if marked else "marked none ready")
         self.step(then_steps)
 
 

@@ -39,6 +39,8 @@ Invariants (tier in brackets):
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import attrs
 
 from kvspec.spec import prefix_cache
@@ -55,8 +57,8 @@ from kvspec.spec.scheduler import (
     free_blocks,
     group_blocks,
     memory,
+    queued,
     rank,
-    ranking,
     relocate,
     tables_of,
 )
@@ -66,7 +68,7 @@ def admission_phase(model: Model, report: StepReport) -> tuple[Model, StepReport
     """Resume or prefill the groups not running, in rank order, while each fits; stop at the first that does
     not, and at one preempted in this very step."""
     just_preempted = {rid for rid, _ in report.preempted}
-    for group in sorted((g for g in model.groups if g.location != "running"), key=ranking(model)):
+    for group in queued(model):
         if not group.ready:
             continue
         if group.request.request_id in just_preempted:
@@ -143,8 +145,9 @@ def admissible(need: int, free: int, watermark: int, gpu_idle: bool) -> bool:
 def invariant_admission_in_arrival_order(after: SchedulerState, report: StepReport) -> str | None:
     """Arrival order within the policy's rank (``rank``): under ``fcfs``, arrival order itself.
 
-    The queue itself -- the unfinished groups, as the snapshot lists them -- stays in arrival order: a
-    request passed over (not ready, say) keeps its place.
+    The queue itself -- the unfinished groups, as the snapshot lists them, and the groups not running in the
+    order admission takes them (``queue``, where the implementation tells it) -- stays in arrival order
+    within rank: a request passed over (not ready, say) keeps its place, at the very pass that passes it.
     """
     for i, group in enumerate(after.groups):
         later = [g.request.request_id for g in after.groups[:i] if g.arrival > group.arrival]
@@ -153,6 +156,10 @@ def invariant_admission_in_arrival_order(after: SchedulerState, report: StepRepo
                 f"request {group.request.request_id!r} lost its place: it is queued behind later request {later[0]!r}"
             )
     ranks = {g.request.request_id: rank(g, after.config.policy) for g in after.groups}
+    queue = [rid for rid in after.queue or () if rid in ranks]
+    for ahead, behind in pairwise(queue):
+        if ranks[behind] < ranks[ahead]:
+            return f"the queue is {queue}: request {behind!r} is behind request {ahead!r}, {after.config.policy}-later"
     order = [ranks[rid] for rid in report.admitted]
     if order != sorted(order):
         return f"admitted {list(report.admitted)} out of {after.config.policy} order"

@@ -133,7 +133,8 @@ class Group:
 
 @attrs.frozen
 class SchedulerState:
-    """What ``snapshot()`` returns: unfinished groups in arrival order, and both devices."""
+    """What ``snapshot()`` returns: unfinished groups in arrival order, both devices, and the queue admission
+    takes the groups not running from, in its order (where the implementation tells it)."""
 
     config: SchedulerConfig
     steps: int
@@ -142,6 +143,7 @@ class SchedulerState:
     finished: tuple[RequestId, ...]  # in completion order
     gpu: ManagerState
     cpu: ManagerState
+    queue: tuple[RequestId, ...] | None = None  # the groups not running, as admission takes them (None: not told)
 
 
 @attrs.frozen
@@ -291,7 +293,10 @@ def new_model(gpu: Memory, cpu: Memory, config: SchedulerConfig) -> Model:
 def abstract(model: Model) -> SchedulerState:
     """The model as a snapshot reads: each device's model seen through its own layer's ``abstract``."""
     devices = {name: memory(device).abstract(device) for name, device in (("gpu", model.gpu), ("cpu", model.cpu))}
-    return SchedulerState(model.config, model.steps, model.arrived, model.groups, model.finished, **devices)
+    queue = tuple(group.request.request_id for group in queued(model))
+    return SchedulerState(
+        model.config, model.steps, model.arrived, model.groups, model.finished, **devices, queue=queue
+    )
 
 
 def arrive(model: Model, request: Request) -> Model:
@@ -359,6 +364,11 @@ def release(model: Model, group: Group) -> Model:
 
 def ranking(model: Model) -> Callable[[Group], tuple[int, int]]:
     return lambda group: rank(group, model.config.policy)
+
+
+def queued(model: Model) -> list[Group]:
+    """The groups not running, in the order admission takes them: by rank."""
+    return sorted((g for g in model.groups if g.location != "running"), key=ranking(model))
 
 
 # -- what refinement compares, and the rules over memory ---------------------------------

@@ -13,10 +13,11 @@ from kvspec.impl.block_pool import BlockPool
 from kvspec.impl.broken import members
 from kvspec.impl.hashing import ROOT, BlockHash, hash_block
 from kvspec.impl.prefix_caching import PrefixCachingBlockManager
-from kvspec.spec import block_pool
+from kvspec.spec import admission, block_manager, block_pool
 from kvspec.spec import prefix_cache as spec
-from kvspec.spec.block_manager import SeqId
-from kvspec.spec.prefix_cache import ExtraKey, max_hit_blocks
+from kvspec.spec.block_manager import SeqId, WritePlan
+from kvspec.spec.errors import OutOfBlocks
+from kvspec.spec.prefix_cache import Commit, ExtraKey, max_hit_blocks
 
 # A member: its pool or its prefix-caching manager (over the reference's pool), and the rules that catch it.
 pool = members("block_pool", "prefix cache")
@@ -180,4 +181,67 @@ class ReadsWholeBlocksOnly(PrefixCachingBlockManager):
 
 reads_whole_blocks_only = cache(
     "read drops the partial last block", ReadsWholeBlocksOnly, spec.invariant_reuse_preserves_read_back
+)
+
+
+class ReusesHitsOfRefusedWrite(PrefixCachingBlockManager):
+    """Keeps the hits it found for an admission it refused for want of room, and shares them when the same
+    sequence asks again with the same prompt and key, as a waiting request that keeps its computed blocks: if
+    the cache evicted them in between, the sequence shares blocks that hold other tokens, or nothing."""
+
+    def __init__(self, pool: Any, block_size: int, commit: Commit = "on_fill") -> None:
+        super().__init__(pool, block_size, commit)
+        self._hits_kept: dict[tuple[SeqId, tuple[int, ...], ExtraKey], tuple[int, ...]] = {}
+        self._asking: SeqId = None  # the sequence the admission under way is for
+        self._found: tuple[int, ...] = ()  # the hits it shares
+
+    def add_sequence(self, seq: SeqId, prompt: Sequence[int], extra_key: ExtraKey = None) -> WritePlan:
+        self._asking = seq
+        request = (seq, tuple(prompt) if isinstance(prompt, list | tuple) else (), extra_key)
+        try:
+            plan = super().add_sequence(seq, prompt, extra_key)
+        except OutOfBlocks:
+            self._hits_kept[request] = self._found
+            raise
+        self._hits_kept.pop(request, None)
+        return plan
+
+    def _hits(self, prompt: Sequence[int], extra_key: ExtraKey) -> tuple[int, ...]:
+        kept = self._hits_kept.get((self._asking, tuple(prompt), extra_key))
+        self._found = kept if kept is not None else super()._hits(prompt, extra_key)
+        return self._found
+
+
+reuses_hits_of_refused_write = cache(
+    "shares the hits an admission it refused found",
+    ReusesHitsOfRefusedWrite,
+    spec.invariant_hit_is_exact_prefix,
+    block_manager.invariant_read_back_exact,
+)
+
+
+class ReportsFirstProbeHits(PrefixCachingBlockManager):
+    """Remembers the tokens the first probe of a prompt and key found cached, and reports them in the plan of the
+    admission that follows, however many attempts later -- as a request that records its cached tokens once,
+    when first scheduled: a cache that changed in between makes the report stale (its tables are right)."""
+
+    def __init__(self, pool: Any, block_size: int, commit: Commit = "on_fill") -> None:
+        super().__init__(pool, block_size, commit)
+        self._first_probe: dict[tuple[tuple[int, ...], ExtraKey], int] = {}
+
+    def cached_prefix(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
+        hits = super().cached_prefix(tokens, extra_key)
+        usable = hits[: max_hit_blocks(len(tokens), self._block_size)]
+        self._first_probe.setdefault((tuple(tokens), extra_key), len(usable) * self._block_size)
+        return hits
+
+    def _cached_tokens(self, prompt: Sequence[int], extra_key: ExtraKey, hits: Sequence[int]) -> int:
+        return self._first_probe.pop((tuple(prompt), extra_key), len(hits) * self._block_size)
+
+
+reports_first_probe_hits = cache(
+    "reports the hits of a prompt's first probe",
+    ReportsFirstProbeHits,
+    spec.invariant_hits_stop_at_first_miss,
+    also=[(admission.invariant_hits_probed_at_admission, "scheduler over the prefix cache")],
 )

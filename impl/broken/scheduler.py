@@ -236,3 +236,33 @@ preempts_latest_arrival = priority(
     PreemptsLatestArrival,
     preemption.invariant_victims_rank_below_survivors,
 )
+
+
+class ReversesPassedOver(Scheduler):
+    """Puts the requests a pass passed over (not ready) back at the head of its waiting queue one at a time, as
+    ``deque.extendleft`` does: they come back reversed, so two passed over together swap places at every pass,
+    and after an odd number of passes the later arrival goes first.  Its groups stay in arrival order."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._passed_over: list[int] = []  # the requests not ready, in the order the queue holds them now
+
+    def _admission_candidates(self) -> Iterable[Entry]:
+        queued = list(super()._admission_candidates())
+        held = {id(group): group for group in queued if group.request.request_id in self._passed_over}
+        in_queue_order = iter(
+            sorted(held.values(), key=lambda group: self._passed_over.index(group.request.request_id))
+        )
+        return [next(in_queue_order) if id(group) in held else group for group in queued]
+
+    def _admit_in_order(self, report: Tally) -> None:
+        super()._admit_in_order(report)
+        passed = [group.request.request_id for group in self._admission_candidates() if not group.ready]
+        self._passed_over = passed[::-1]
+
+
+reverses_passed_over = cached(
+    "scheduler that puts the requests it passed over back reversed",
+    ReversesPassedOver,
+    admission.invariant_admission_in_arrival_order,
+)
