@@ -38,6 +38,7 @@ class BlockPoolMachine(LockstepMachine):
         self.held: Counter[int] = Counter()
         self.refused = 0  # the blocks of the last allocation refused (0: none pending)
         self.ever_cached: set[str] = set()
+        self.probed_the_brim = False
 
     def some_block(self, data: st.DataObject) -> int:
         return data.draw(st.integers(0, self.pool.model.capacity - 1), label="block")
@@ -49,7 +50,10 @@ class BlockPoolMachine(LockstepMachine):
 
     def revisit(self, data: st.DataObject) -> None:
         """Drawn inside the common rules, so that swarm testing never turns it off: as often as not, the
-        allocation refused last again, as it was; as often, an evicted hash cached again."""
+        allocation refused last again, as it was; as often, an evicted hash cached again; and once an example,
+        allocations at the brim."""
+        if not self.probed_the_brim and data.draw(st.booleans(), label="allocate at the brim"):
+            self.at_the_brim(data)
         if self.refused and data.draw(st.booleans(), label="retry the refused allocation"):
             event("revisit: retried a rejected call")
             self._allocate(self.refused)
@@ -57,14 +61,45 @@ class BlockPoolMachine(LockstepMachine):
         if bool(evicted) and data.draw(st.booleans(), label="cache an evicted hash again"):
             self.fill_and_cache(data.draw(st.sampled_from(evicted), label="evicted hash"))
 
-    def _allocate(self, n: int) -> list[int]:
+    def cached_free(self) -> int:
+        """The free blocks that carry a hash: evictable, yet counted free."""
+        return sum(1 for block in self.pool.model.lru if self.pool.model.block_hashes[block] is not None)
+
+    def finishing(self) -> list[int]:
+        """The cached blocks held once: a request that finishes leaves them free and cached."""
+        return sorted(b for b, count in self.held.items() if count == 1 and self.pool.model.block_hashes[b] is not None)
+
+    def at_the_brim(self, data: st.DataObject) -> None:
+        """With cached blocks free (a request finishes first if none is), one block more than the queue holds,
+        which must be refused, then one more than its uncached blocks, which must not (where a pool that
+        forgets its evictable blocks refuses falsely), released at once.  Each probe evicts a cached block:
+        once an example leaves the cache to the other rules."""
+        if not self.cached_free() and not self.finishing():
+            self.fill_and_cache(data.draw(HASHES, label="prompt block"))
+        if not self.cached_free() and self.finishing():
+            self._release([data.draw(st.sampled_from(self.finishing()), label="finished block")], note="finished")
+        if self.cached_free():
+            self.probed_the_brim = True
+            self._allocate(len(self.pool.model.lru) + 1, waits=False)
+            granted = self._allocate(len(self.pool.model.lru) - self.cached_free() + 1)
+            if granted:
+                self._release(granted[::-1], note="a short request")
+
+    def _allocate(self, n: int, waits: bool = True) -> list[int]:
+        """Allocate; a caller refused for want of blocks ``waits`` to try again (see ``revisit``)."""
         before = self.pool.snapshot()
         answer = self.pool("allocate", n, judged_by=model.invariant_eviction_order)
         if answer is None:
-            self.refused = n if isinstance(n, int) and n > len(self.pool.model.lru) else self.refused
+            self.refused = n if waits and isinstance(n, int) and n > len(self.pool.model.lru) else self.refused
+            if isinstance(n, int) and n > 0 and self.pool.snapshot() == before:  # in contract, and it refused
+                self.check(model.invariant_allocation_refused_only_when_short, before, n)
+                if any(before.block_hashes[block] is not None for block in before.free_queue):
+                    event("allocation refused with cached blocks free")
             return []
         self.refused = 0 if n == self.refused else self.refused
         self.check(model.invariant_in_use_never_reclaimed, before, self.pool.snapshot(), answer.actual)
+        if any(before.block_hashes[block] is not None for block in answer.actual):
+            event("allocation evicted cached free blocks")
         self.held.update(answer.actual)
         event("allocation exhausted the pool" if not self.pool.model.lru else "allocation left free blocks")
         return list(answer.actual)

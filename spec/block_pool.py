@@ -10,7 +10,9 @@ Rules (vLLM §4.1-4.2, lecture §4; vLLM v1 ``BlockPool`` is the model):
   complete block of a prefix that a later request may reuse.
 * ``allocate(n)`` hands out the first ``n`` blocks of the free queue in
   eviction order, all or none.  Handing out a cached block evicts it: its hash
-  is forgotten.  Short of blocks, it raises ``OutOfBlocks`` and changes nothing.
+  is forgotten.  Short of blocks -- the free queue, its cached blocks counted
+  (they are evictable), holds fewer than ``n`` -- it raises ``OutOfBlocks``
+  and changes nothing; never otherwise.
 * ``share(blocks)`` adds one reference to each block.  A free block may be
   shared only if it is cached (a prefix-cache hit, vLLM's ``touch``): it
   leaves the free queue and is in use again.
@@ -73,6 +75,8 @@ its holders, which every machine with a pool checks):
   ``refcount()`` tell what ``snapshot()`` shows.
 * ``invariant_in_use_never_reclaimed`` [safety] -- allocation and eviction
   touch only free blocks, each once.
+* ``invariant_allocation_refused_only_when_short`` [safety] -- ``allocate(n)``
+  is refused only when the free queue, cached blocks included, holds fewer than ``n``.
 * ``invariant_eviction_order`` [convention] -- allocation and eviction follow the policy.
 * ``invariant_pool_refines_spec`` [convention] -- the implementation's state is the model's.
 """
@@ -434,6 +438,18 @@ def invariant_in_use_never_reclaimed(before: PoolState, after: PoolState, reclai
     ]
     if lost:
         return f"in-use blocks {lost} lost their cached hash"
+    return None
+
+
+@invariant(
+    "a false out-of-memory makes the scheduler wait for, or preempt a request to free, blocks the pool already has",
+    "safety",
+)
+def invariant_allocation_refused_only_when_short(before: PoolState, n: int) -> str | None:
+    """``allocate(n)`` was refused; ``before`` is the pool's own snapshot before the call."""
+    if n <= before.num_free:
+        cached = sum(1 for block in before.free_queue if before.block_hashes[block] is not None)
+        return f"allocate({n}) refused while the free queue held {before.num_free} blocks, {cached} of them cached"
     return None
 
 

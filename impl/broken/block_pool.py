@@ -267,3 +267,22 @@ lru_only_leaks = pool(
     spec.invariant_no_leak,
     conventions=Conventions(pool=PoolConventions(policies=("lru",))),
 )
+
+
+class ForgetsEvictableBlocks(BlockPool):
+    """Sizes an allocation by the free blocks that carry no hash, as if a cached free block were still in use:
+    with the prefix cache warm it reports out of memory while evictable blocks fill its queue, and the
+    scheduler waits, or preempts a request, for blocks the pool already has."""
+
+    def allocate(self, n: int) -> list[int]:
+        uncached = sum(1 for block in self._free if self._hashes[block] is None)
+        if type(n) is int and uncached < n <= len(self._free):
+            raise OutOfBlocks(n, uncached)
+        return super().allocate(n)
+
+
+forgets_evictable_blocks = pool(
+    "out of blocks while cached blocks are free",
+    ForgetsEvictableBlocks,
+    spec.invariant_allocation_refused_only_when_short,
+)
