@@ -14,6 +14,7 @@ from kvspec.spec.block_manager import ManagerState, SeqId, WritePlan, blocks_for
 from kvspec.spec.block_pool import BlockPool as BlockPoolProtocol
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.kv_store import KVStore
+from kvspec.spec.speculative import check_rollback
 from kvspec.spec.tiered_swap import TierLoad, require_continuation, tier_contents, tier_factor
 
 
@@ -97,6 +98,13 @@ class BlockManager:
         self._pool.release(table[blocks:][::-1])
         del table[blocks:], self._tokens[seq][blocks * self._block_size :]
 
+    def rollback(self, seq: SeqId, n: int) -> None:
+        table, tokens = self._table(seq), self._tokens[seq]
+        kept = len(tokens) - check_rollback(seq, n, len(tokens))
+        needed = blocks_for(kept, self._block_size)
+        self._pool.release(table[needed:][::-1])
+        del table[needed:], tokens[kept:]
+
     def swap_in(
         self, store: KVStore, node: int, tier_block_size: int, seq: SeqId, keys: Sequence[Hashable]
     ) -> TierLoad:
@@ -152,7 +160,11 @@ class BlockManager:
     def _needs_copy(self, seq: SeqId) -> bool:
         table = self._tables[seq]
         partial = len(self._tokens[seq]) % self._block_size != 0
-        return partial and self._pool.refcount(table[-1]) > 1
+        return partial and (self._pool.refcount(table[-1]) > 1 or self._last_block_cached(seq))
+
+    def _last_block_cached(self, seq: SeqId) -> bool:
+        """Hook: whether the sequence's partial last block is registered (only a rollback leaves one so)."""
+        return False
 
     def _write(self, seq: SeqId, tokens: Sequence[int]) -> WritePlan:
         """Write tokens after the last one; the caller has checked there is room."""

@@ -7,6 +7,9 @@ Each sequence keeps the hashes of its full blocks, so a fill hashes one block
 (chained on the previous hash) instead of the whole prefix.  Under
 ``commit="after_forward"`` a filled block's (block, hash) waits in its
 sequence's pending list until ``commit``; ``free`` drops the list (an abort).
+``rollback`` forgets the hashes and pending entries of the blocks no longer
+full; a partial last block still cached under the hash of the full block its
+slots hold is copied before the next write (spec.speculative).
 """
 
 from __future__ import annotations
@@ -87,6 +90,14 @@ class PrefixCachingBlockManager(BlockManager):
             if self._pool.lookup(block_hash) != block:
                 self._pool.register(block, block_hash)
 
+    def rollback(self, seq: SeqId, n: int) -> None:
+        super().rollback(seq, n)
+        table, full = self._tables[seq], len(self._tokens[seq]) // self._block_size
+        del self._chains[seq][full:]
+        if seq in self._pending:
+            verified = set(table[:full])
+            self._pending[seq] = [(block, block_hash) for block, block_hash in self._pending[seq] if block in verified]
+
     def move_sequences(self, dst: BlockManager, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]:
         keys = {seq: (self._extra_keys.get(seq), list(self._chains.get(seq, []))) for seq in seqs}
         copies = super().move_sequences(dst, seqs)
@@ -105,6 +116,15 @@ class PrefixCachingBlockManager(BlockManager):
 
     def _cached_tokens(self, prompt: Sequence[int], extra_key: ExtraKey, hits: Sequence[int]) -> int:
         return len(hits) * self._block_size
+
+    def _last_block_cached(self, seq: SeqId) -> bool:
+        """A partial last block is cached only if its slots still hold a whole block, under that block's hash."""
+        table, size = self._tables[seq], self._block_size
+        held = self._contents[table[-1]]
+        if len(held) < size:
+            return False
+        parent = self._chains[seq][-1] if len(table) > 1 else ROOT
+        return self._pool.lookup(self._hash(parent, held, self._extra_keys[seq])) == table[-1]
 
     def _block_filled(self, seq: SeqId, index: int) -> None:
         chain, size = self._chains[seq], self._block_size

@@ -10,10 +10,11 @@ Rules (vLLM §4.2-4.4 and §5, lecture §4-5):
   no more (no reservation for tokens not yet generated).
 * ``append(seq, tokens)`` writes each token into the next slot.  A full last
   block (or an empty table) first gets a new block.  A partially filled last
-  block that other tables share (reference count > 1) is first **copied**:
-  the writer gets a private copy of the filled slots and drops its reference
-  to the original (copy-on-write).  Full shared blocks are never written, so
-  they are never copied.
+  block that other tables share (reference count > 1), or that is registered
+  under a hash, is first **copied**: the writer gets a private copy of the
+  filled slots and drops its reference to the original (copy-on-write).  Full
+  shared blocks are never written, so they are never copied; only a
+  ``rollback`` (``kvspec.spec.speculative``) leaves a registered block partial.
 * ``fork(parent, child)`` gives the child the parent's table: every block is
   shared (count + 1) and none is allocated.
 * ``free(seq)`` releases the table's blocks, last block first.
@@ -44,7 +45,7 @@ the holders of a block being the table entries that name it):
 * ``invariant_table_length_exact`` [safety] -- len(table) = ceil(len(tokens) / B).
 * ``invariant_fork_allocates_nothing`` [safety] -- a fork shares and never allocates.
 * ``invariant_copy_on_write_exact`` [convention] -- a write copies iff it lands in a
-  shared, partially filled block, and then exactly once.
+  shared (or registered), partially filled block, and then exactly once.
 * ``invariant_parallel_sampling_copies`` [convention] -- n sequences sharing a half-full
   last block make n-1 copies between them, none if the prompt fills whole
   blocks (lecture exercise 4).
@@ -121,6 +122,7 @@ MANAGER_OPERATIONS = {
     "fork": ("fork",),  # share every block of a sequence with a new one (parallel sampling, beam search)
     "swap": ("move_sequences",),  # move sequence groups between two managers' pools (swap out / in)
     "tiered_swap_in": ("truncate", "swap_in"),  # load a tail back from a tier of larger blocks (spec.tiered_swap)
+    "rollback": ("rollback",),  # drop the last tokens: rejected speculative drafts (spec.speculative)
 }
 MANAGER_METHODS = methods_of(BlockManager, MANAGER_OPERATIONS)
 BLOCK_MANAGER = component_kind(
@@ -229,7 +231,7 @@ def write(manager: Manager, seq: SeqId, tokens: tuple[int, ...]) -> tuple[Manage
             pool, (block,) = block_pool.allocate(pool, 1)
             contents[block] = ()
             table.append(block)
-        elif pool.refcounts[table[-1]] > 1:
+        elif pool.refcounts[table[-1]] > 1 or pool.block_hashes[table[-1]] is not None:
             pool, (copy,) = block_pool.allocate(pool, 1)
             contents[copy] = contents[table[-1]][:offset]
             pool = block_pool.release(pool, [table[-1]])

@@ -34,6 +34,10 @@ Rules (lecture §8, vLLM automatic prefix caching, Mooncake §3):
   **abort**: its pending blocks are dropped, never registered, so KV that
   was never computed is never reused.  Under ``on_fill`` (the default)
   ``commit`` does nothing.
+* ``rollback(seq, n)`` (optional; ``kvspec.spec.speculative``) drops
+  rejected draft tokens as in layer 2; a block no longer full leaves the
+  pending list, and a registered one the sequence now ends in is copied
+  before the next write into it.
 * Ownership: the caller keeps every list it passes (prompts, tokens, groups)
   and may overwrite it at once; the manager keeps copies.  What it answers
   (hashes, hit blocks, plans) belongs to the caller.
@@ -74,7 +78,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
-from kvspec.spec import block_manager, block_pool
+from kvspec.spec import block_manager, block_pool, speculative
 from kvspec.spec.block_manager import Manager, ManagerState, SeqId, WritePlan
 from kvspec.spec.block_pool import Pool, PoolState
 from kvspec.spec.components import component_kind
@@ -218,6 +222,14 @@ def commit(cm: CachingManager, seq: SeqId) -> CachingManager:
             pool, _ = block_pool.register(manager.pool, table[index], key)
             manager = attrs.evolve(manager, pool=pool)
     return attrs.evolve(cm, manager=manager, pending={s: p for s, p in cm.pending.items() if s != seq})
+
+
+def rollback(cm: CachingManager, seq: SeqId, n: int) -> CachingManager:
+    """Layer 2's rollback; the blocks no longer full leave the sequence's pending list."""
+    manager = speculative.rollback(cm.manager, seq, n)
+    full = len(manager.tokens[seq]) // manager.block_size
+    pending = {s: tuple(i for i in p if s != seq or i < full) for s, p in cm.pending.items()}
+    return attrs.evolve(cm, manager=manager, pending=pending)
 
 
 def move_sequences(

@@ -7,9 +7,14 @@ from collections.abc import Hashable, Sequence
 from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.broken import members
 from kvspec.spec import block_manager as spec
-from kvspec.spec import block_pool, tiered_swap
+from kvspec.spec import block_pool, speculative, tiered_swap
 from kvspec.spec.block_manager import SeqId, WritePlan
-from kvspec.spec.invariants import invariant_failed_operation_changes_nothing, invariant_verdict_matches_spec
+from kvspec.spec.invariants import (
+    invariant_failed_operation_changes_nothing,
+    invariant_out_of_contract_call_rejected,
+    invariant_verdict_matches_spec,
+)
+from kvspec.spec.speculative import check_rollback
 
 # A member: its block manager, and the rules that catch it in that machine.
 manager = members("block_manager", "block manager")
@@ -185,4 +190,52 @@ skips_every_resident_block = tiered(
     "skips every resident block in the first tier block",
     SkipsEveryResidentBlock,
     tiered_swap.invariant_swap_round_trip_exact,
+)
+
+
+class KeepsRejectedDraftBlock(BlockManager):
+    """A rollback drops the rejected tokens but keeps every block the draft took, as an engine that keeps its
+    lookahead slots for the next draft: a block no token is in stays out of the free queue."""
+
+    def rollback(self, seq: SeqId, n: int) -> None:
+        self._table(seq)
+        tokens = self._tokens[seq]
+        del tokens[len(tokens) - check_rollback(seq, n, len(tokens)) :]
+
+
+keeps_rejected_draft_block = manager(
+    "rollback keeps the blocks of rejected drafts", KeepsRejectedDraftBlock, spec.invariant_table_length_exact
+)
+
+
+class RollsBackFirstBlocks(BlockManager):
+    """A rollback releases the blocks it no longer needs from the front of the table (``del table[:k]`` where
+    ``del table[-k:]`` was meant): the tokens kept are read from the blocks after their own."""
+
+    def rollback(self, seq: SeqId, n: int) -> None:
+        table, tokens = self._table(seq), self._tokens[seq]
+        kept = len(tokens) - check_rollback(seq, n, len(tokens))
+        surplus = len(table) - spec.blocks_for(kept, self._block_size)
+        self._pool.release(table[:surplus][::-1])
+        del table[:surplus], tokens[kept:]
+
+
+rolls_back_first_blocks = manager(
+    "rollback releases the first blocks, not the last",
+    RollsBackFirstBlocks,
+    speculative.invariant_rollback_keeps_prefix,
+)
+
+
+class ClampsRollback(BlockManager):
+    """A rollback of more tokens than the sequence holds empties it instead of being refused (``min(n, len)``, as
+    a scheduler that trusts its own count of accepted tokens)."""
+
+    def rollback(self, seq: SeqId, n: int) -> None:
+        held = len(self._tokens[seq]) if seq in self._tokens else 0
+        super().rollback(seq, min(n, held) if isinstance(n, int) else n)
+
+
+clamps_rollback = manager(
+    "an over-long rollback empties the sequence", ClampsRollback, invariant_out_of_contract_call_rejected
 )
