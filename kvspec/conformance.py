@@ -46,6 +46,7 @@ Rules:
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import sys
 from collections import Counter
@@ -236,9 +237,17 @@ class Verdict:
             ]
             for violation in (v for v in self.violations if v.tier in (tier, "harness" if tier == TIERS[-1] else "")):
                 lines = finding_lines(violation, tier == "caller contract" and self.conventions.trusts_caller)
-                out += ["", f"- {lines[0]}", *(f"  {line}" for line in lines[1:] if not line.startswith("    "))]
-                out += ["", "  ```", *(f"  {step}" for step in violation.steps), "  ```"]
+                out += ["", f"- {lines[0]}", *markdown_item(lines[1:])]
         return "\n".join(out) + "\n"
+
+
+def markdown_item(lines: Sequence[str]) -> list[str]:
+    """A finding's lines under its list item, each run of indented steps as a code block."""
+    out: list[str] = []
+    for indented, run in itertools.groupby(lines, key=lambda line: line.startswith("    ")):
+        shown = [f"  {line[4:]}" if indented else f"  {line}" for line in run]
+        out += ["", "  ```", *shown, "  ```", ""] if indented else shown
+    return out
 
 
 def finding_lines(violation: Violation, trusted: bool) -> list[str]:
@@ -354,6 +363,8 @@ class Run:
     judged: set[str] = attrs.field(factory=set)  # layers whose rules a counted machine checked
     selected: set[str] = attrs.field(factory=set)  # layers of every machine selected
     interrupted: bool = False
+    # whether what it found already answers the question it runs for (a meta-test asks one): then it stops
+    answered: Callable[[Run], bool] = lambda run: False
 
 
 def run_conformance(
@@ -430,7 +441,7 @@ def run_one(run: Run, title: str, machine: type[harness.LockstepMachine], base: 
     trusted = implementation.conventions.trusts_caller
     for spared in (harness.EVERY_OPERATION, frozenset()) if trusted else (frozenset(),):
         rounds.until_nothing_new(base, spared)
-        if rounds.ended in (BORROWED_ONLY, MACHINE_FAILED):
+        if rounds.ended in (BORROWED_ONLY, MACHINE_FAILED, ANSWERED):
             break
     for finding in rounds.contract_findings:
         key = (invariant_out_of_contract_call_rejected.name, finding.operation, finding.variant)
@@ -439,6 +450,7 @@ def run_one(run: Run, title: str, machine: type[harness.LockstepMachine], base: 
 
 
 MACHINE_FAILED = "kvspec's machine failed"
+ANSWERED = "stopped: what it found answers the question it ran for"
 
 
 @attrs.define
@@ -497,6 +509,9 @@ class Rounds:
                 else:
                     self.known |= {finding.invariant}
             if self.ended == MACHINE_FAILED:
+                return
+            if self.run.answered(self.run):
+                self.ended = ANSWERED
                 return
         self.ended = "budget spent"
 

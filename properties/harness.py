@@ -116,18 +116,25 @@ def violation_class(rule: Invariant, operation: str, variant: str) -> type[Invar
     return _VIOLATION_CLASSES[key]
 
 
+NAMED_BY_NUMBER = "block|blocks|page|pages|slot|seq|sequence|request|node|group|sample|key"
+
+
 def variant_of(error: BaseException) -> str:
     """The kind of an out-of-contract call: the spec's reason with its values blurred by sign and shape
-    (``cannot allocate -1 blocks`` and ``cannot allocate -5 blocks`` are one kind, ``... 0 blocks`` another)."""
+    (``cannot allocate -1 blocks`` and ``cannot allocate -5 blocks`` are one kind, ``... 0 blocks`` another;
+    a name -- ``block 0``, ``sequence 3`` -- is blurred whatever its value: block 0 is no edge case)."""
 
     def blur(number: re.Match[str]) -> str:
-        value = float(number.group())
+        value = float(number.group("value"))
         if not value.is_integer():
             return "x"
-        return "-n" if value < 0 else ("0" if value == 0 else "n")
+        name = number.group("name") or ""
+        if value < 0:
+            return f"{name}-n"
+        return f"{name}{'0' if value == 0 and not name else 'n'}"
 
     text = re.sub(r"'[^']*'|\"[^\"]*\"", "'s'", str(error))
-    text = re.sub(r"-?\d+(?:\.\d+)?", blur, text)
+    text = re.sub(rf"(?P<name>\b(?:{NAMED_BY_NUMBER}) )?(?P<value>-?\d+(?:\.\d+)?)", blur, text)
     return re.sub(r"(?:n, )+n", "n, ...", text)
 
 
