@@ -12,6 +12,7 @@ from kvspec.impl.attention import paged_decode_attention
 from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.block_pool import BlockPool
 from kvspec.impl.contiguous import ContiguousAllocator
+from kvspec.impl.hierarchical_radix import HierarchicalRadixCache
 from kvspec.impl.kv_store import KVStore
 from kvspec.impl.paged_kv import ContiguousKVCache, PagedKVCache
 from kvspec.impl.prefix_caching import PrefixCachingBlockManager
@@ -44,8 +45,13 @@ COMPONENTS: dict[str, Callable[..., Any]] = {
     "radix_page_manager": RadixPageManager,
 }
 
+EXTENSIONS: dict[str, Callable[..., Any]] = {  # kinds declared by kvspec's layers that Implementation has no field for
+    "hierarchical_radix_cache": HierarchicalRadixCache,
+}
+
 
 def reference() -> Implementation:
     """The reference implementation: the default under test; it offers every optional operation."""
     offers: dict[str, Any] = {kind: Offer(factory, every_operation(kind)) for kind, factory in COMPONENTS.items()}
-    return Implementation(name="kvspec reference", **offers)
+    extensions = {kind: Offer(factory, every_operation(kind)) for kind, factory in EXTENSIONS.items()}
+    return Implementation(name="kvspec reference", extensions=extensions, **offers)

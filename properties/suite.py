@@ -39,6 +39,7 @@ MACHINES: tuple[tuple[str, str], ...] = (
     ("contiguous allocators (A100, 12,596 slots)", "kvspec.properties.test_contiguous:A100ContiguousMachine"),
     ("tiered KV store (node faults)", "kvspec.properties.test_kv_store:KVStoreMachine"),
     ("tiered swap (partial swap-in)", "kvspec.properties.test_tiered_swap:TieredSwapMachine"),
+    ("hierarchical radix cache (HiCache)", "kvspec.properties.test_hierarchical_radix:HierarchicalRadixMachine"),
 )
 
 
