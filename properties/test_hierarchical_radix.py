@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
@@ -20,7 +21,8 @@ from hypothesis.stateful import initialize, invariant, rule
 from kvspec.properties.harness import Answer, LockstepMachine, conformance_test
 from kvspec.spec import hierarchical_radix as model
 from kvspec.spec import radix_cache
-from kvspec.spec.hierarchical_radix import HierState
+from kvspec.spec.hierarchical_radix import HierarchicalRadixCache, HierState
+from kvspec.spec.implementation import Implementation
 from kvspec.spec.radix_cache import Key
 
 KIND = model.HIERARCHICAL_RADIX_CACHE.name
@@ -205,3 +207,22 @@ def note_cut(state: HierState, key: tuple[int, ...]) -> None:
 
 
 TestHierarchicalRadix = conformance_test(HierarchicalRadixMachine, examples=0.3)
+
+
+def test_a_demoted_prefix_is_a_host_hit_loaded_back(kv_implementation: Implementation) -> None:
+    """A prompt written through and landed is demoted by eviction; met again it is a host hit, loaded back into
+    new device slots, whose KV is the host copy's once the load lands."""
+    if KIND not in kv_implementation.offers():
+        pytest.skip(f"{kv_implementation.name} offers no {KIND}")
+    cache: HierarchicalRadixCache = kv_implementation.component(KIND)(4)
+    assert cache.insert([1, 2, 3], [10, 20, 30]) == 0
+    assert cache.write_through([1, 2, 3]) == 3
+    assert cache.evict(3) == ()  # pinned while the write is in flight
+    assert cache.finish_writes() == 3
+    assert cache.evict(2) == (30, 20)  # demoted: the host copies stay
+    assert cache.match_prefix([1, 2, 3]) == ((10,), 2)
+    assert cache.load_back([1, 2, 3], [40, 50]) == 2
+    assert cache.evict_host(2) == 0  # the host copies are being read
+    assert cache.finish_loads() == 2
+    loaded = cache.snapshot().copies[(1, 2, 3)]
+    assert (loaded.device, loaded.device_kv, loaded.host_kv) == (50, 30, 30)

@@ -50,7 +50,8 @@ Invariants (tier in brackets):
 * ``invariant_hicache_copies_hold_their_kv`` [safety] -- every landed copy holds a KV its caller
   computed for exactly that token.
 * ``invariant_hicache_every_token_readable`` [safety] -- a token off the device has a landed host copy;
-  a token on the device has its whole prefix there.
+  a token on the device has its whole prefix there.  So a device eviction demotes a token to a landed host
+  copy or drops it, and with the prefix closure nothing stays cached below a dropped token.
 * ``invariant_hicache_write_through_pins_device`` [safety] -- a token whose write-through is in flight
   keeps its device copy and its pending host copy until the write lands.
 * ``invariant_hicache_host_evicts_only_leaves`` [safety] -- a host copy is dropped only from a token held
@@ -244,7 +245,7 @@ def host_leaves(hier: HierRadix) -> list[Key]:
 
 
 def evict_host_token(hier: HierRadix) -> tuple[HierRadix, tuple[int, ...]] | None:
-    """Drop the least recently used host leaf; the answer is one count of it."""
+    """Drop the least recently used host leaf; the answer counts it (``evict_host`` answers how many went)."""
     leaves = host_leaves(hier)
     if not leaves:
         return None
