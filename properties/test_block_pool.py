@@ -6,7 +6,9 @@ register / lookup / evict, valid and invalid, on tiny pools where exhaustion
 and eviction are common and on a realistic one.  The model follows the
 pool's declared conventions, and only its declared policies are drawn.
 The search revisits: an allocation refused for want of blocks is retried
-after a release, and a hash whose block was evicted is cached again.
+after a release, and a hash whose block was evicted is cached again.  Once
+an example it allocates at the brim, with cached blocks free (``at_the_brim``),
+and every refusal is checked against the pool's own state before the call.
 """
 
 from __future__ import annotations
@@ -49,10 +51,10 @@ class BlockPoolMachine(LockstepMachine):
         self._allocate(n)
 
     def revisit(self, data: st.DataObject) -> None:
-        """Drawn inside the common rules, so that swarm testing never turns it off: as often as not, the
-        allocation refused last again, as it was; as often, an evicted hash cached again; and once an example,
-        allocations at the brim."""
-        if not self.probed_the_brim and data.draw(st.booleans(), label="allocate at the brim"):
+        """Drawn inside the common rules, so that swarm testing never turns it off: until an example has had
+        them, allocations at the brim; as often as not, the allocation refused last again, as it was; as
+        often, an evicted hash cached again."""
+        if not self.probed_the_brim:
             self.at_the_brim(data)
         if self.refused and data.draw(st.booleans(), label="retry the refused allocation"):
             event("revisit: retried a rejected call")
@@ -72,18 +74,25 @@ class BlockPoolMachine(LockstepMachine):
     def at_the_brim(self, data: st.DataObject) -> None:
         """With cached blocks free (a request finishes first if none is), one block more than the queue holds,
         which must be refused, then one more than its uncached blocks, which must not (where a pool that
-        forgets its evictable blocks refuses falsely), released at once.  Each probe evicts a cached block:
-        once an example leaves the cache to the other rules."""
+        forgets its evictable blocks refuses falsely): a short request of two samples that share its blocks
+        and finish one after the other.  A probe evicts a cached block: one an example leaves the cache to the
+        other rules."""
         if not self.cached_free() and not self.finishing():
             self.fill_and_cache(data.draw(HASHES, label="prompt block"))
         if not self.cached_free() and self.finishing():
             self._release([data.draw(st.sampled_from(self.finishing()), label="finished block")], note="finished")
-        if self.cached_free():
-            self.probed_the_brim = True
-            self._allocate(len(self.pool.model.lru) + 1, waits=False)
-            granted = self._allocate(len(self.pool.model.lru) - self.cached_free() + 1)
-            if granted:
-                self._release(granted[::-1], note="a short request")
+        self.probe_the_brim()
+
+    def probe_the_brim(self) -> None:
+        if self.probed_the_brim or not self.cached_free():
+            return
+        self.probed_the_brim = True
+        self._allocate(len(self.pool.model.lru) + 1, waits=False)
+        granted = self._allocate(len(self.pool.model.lru) - self.cached_free() + 1)
+        if granted and self.pool("share", granted) is not None:  # a second sample shares them
+            self.held.update(granted)
+            self._release(granted[::-1], note="one sample finishes")
+            self._release(granted[::-1], note="the other")
 
     def _allocate(self, n: int, waits: bool = True) -> list[int]:
         """Allocate; a caller refused for want of blocks ``waits`` to try again (see ``revisit``)."""
@@ -138,6 +147,7 @@ class BlockPoolMachine(LockstepMachine):
         if self.pool("release", blocks, note=note) is not None:
             self.held.subtract(blocks)
             self.held = +self.held
+            self.probe_the_brim()  # a request finished: its cached blocks may be free now
             if self.refused:
                 event("revisit: retried a rejected call")
                 self._allocate(self.refused)

@@ -6,8 +6,11 @@ token at a time and finish; invalid calls (unknown or duplicate requests,
 writing past the reservation, requests no arena could place) are mixed in.
 Tiny arenas make exhaustion and buddy merges common; the A100 arena
 (12,596 slots, OPT-13B's 2,048-token context) shows the realistic shape.
-After every step the arena invariants hold, the allocator's ledger is the
-spec's given each request's true final length, and the state is the model's.
+Once an example, with the free space in pieces, requests are sized at the
+brim (``at_the_brim``); every refusal is checked against the allocator's own
+free space before the call.  After every step the arena invariants hold,
+the allocator's ledger is the spec's given each request's true final
+length, and the state is the model's.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class ContiguousMachine(LockstepMachine):
         self.arena = self.subject("arena", model, model.new_arena(capacity, placement), arena)
         self.final_lengths: dict[int, int] = {}  # the true final length of each live request
         self.next_id = 0
+        self.probed_the_brim = False
 
     def live(self) -> list[int]:
         return sorted(self.final_lengths)
@@ -55,6 +59,7 @@ class ContiguousMachine(LockstepMachine):
         turns the ``free`` rule off in many examples) never leaves an example without frees and merges."""
         if bool(self.live()) and data.draw(st.booleans(), label="a request finishes first"):
             self._free(data.draw(st.sampled_from(self.live()), label="finished"))
+        self.maybe_at_the_brim(data)
         final = data.draw(st.integers(2, self.max_length), label="final_length")
         prompt = data.draw(st.integers(1, final - 1), label="prompt")
         slots = model.reserved_slots(self.reservation, prompt, final - prompt, self.max_length)
@@ -65,6 +70,7 @@ class ContiguousMachine(LockstepMachine):
 
     @rule(data=st.data())
     def allocate_any(self, data: st.DataObject) -> None:
+        self.maybe_at_the_brim(data)
         request_id = data.draw(st.sampled_from([*self.live(), self.next_id, -1]), label="request")
         slots = data.draw(st.integers(-1, self.arena.model.capacity + 2), label="slots")
         if request_id == self.next_id:
@@ -74,6 +80,10 @@ class ContiguousMachine(LockstepMachine):
 
     @rule(data=st.data())
     def punch_holes(self, data: st.DataObject) -> None:
+        self.punch(data)
+        self.maybe_at_the_brim(data)
+
+    def punch(self, data: st.DataObject) -> None:
         """Small requests side by side, then every other one freed: holes that placement must choose among."""
         placed = []
         for _ in range(data.draw(st.integers(2, 4), label="count")):
@@ -88,9 +98,41 @@ class ContiguousMachine(LockstepMachine):
             for request_id in placed[1::2]:
                 self._free(request_id)
 
+    def maybe_at_the_brim(self, data: st.DataObject) -> None:
+        """Drawn inside most rules, so that swarm testing never turns it off: as often as not, until an
+        example has probed the brim once."""
+        if not self.probed_the_brim and data.draw(st.booleans(), label="allocate at the brim"):
+            self.at_the_brim(data)
+
+    def at_the_brim(self, data: st.DataObject) -> None:
+        """Once an example, with the free space in pieces (holes punched first if it is not): one slot more
+        than the largest piece, which must be refused, then one more than the lowest piece, which a later
+        one must hold (where an allocator that looks no further than the first hole refuses falsely)."""
+        if len(self.arena.model.free) < 2:
+            self.punch(data)
+        pieces = self.arena.model.free
+        if len(pieces) < 2:
+            return
+        self.probed_the_brim = True
+        largest = model.largest_region(self.arena.model.capacity, self.arena.model.placement)
+        for slots in (max(piece.size for piece in pieces) + 1, pieces[0].size + 1):
+            if model.region_size(self.arena.model.placement, slots) <= largest:
+                request_id, self.next_id = self.next_id, self.next_id + 1
+                if self._allocate(request_id, slots):
+                    self.final_lengths[request_id] = slots
+
     def _allocate(self, request_id: int, slots: int) -> bool:
-        if self.arena("allocate", request_id, slots) is None:
+        """Allocate; a refusal of a fresh request (the allocator left as it was) is checked against its own free
+        space before the call."""
+        before = self.arena.snapshot()
+        answer = self.arena("allocate", request_id, slots)
+        if answer is None:
+            if slots >= 1 and request_id not in self.final_lengths and self.arena.snapshot() == before:
+                self.check(model.invariant_refused_only_when_no_run_fits, before, slots)
+                event("allocation refused, the free space in pieces" if len(before.free) > 1 else "allocation refused")
             return False
+        if before.free and before.free[0].size < model.region_size(before.placement, slots):
+            event("placed past a free block too small for it")
         event(
             "allocation split a block" if len(self.arena.model.free) > 1 else "allocation left one free block or none"
         )
@@ -103,6 +145,7 @@ class ContiguousMachine(LockstepMachine):
 
     @rule(data=st.data(), n=st.integers(-1, 4))
     def append_any(self, data: st.DataObject, n: int) -> None:
+        self.maybe_at_the_brim(data)
         request_id = data.draw(st.sampled_from([*self.live(), self.next_id]), label="request")
         if self._append(request_id, n):
             self.final_lengths[request_id] = max(self.final_lengths[request_id], self.tokens(request_id))
@@ -113,6 +156,7 @@ class ContiguousMachine(LockstepMachine):
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         self._free(data.draw(st.sampled_from([*self.live(), *self.live(), self.next_id]), label="request"))
+        self.maybe_at_the_brim(data)
 
     def _free(self, request_id: int) -> None:
         if self.arena("free", request_id) is not None:

@@ -14,7 +14,8 @@ runs over block managers with fork and swap, which a radix page manager does
 not offer; this machine drives the page manager's request lifecycle itself.
 
 After every operation the model's state is the implementation's and every
-rule of ``radix_pages.STATE`` holds; each eviction's slots are whole pages.
+rule of ``radix_pages.STATE`` holds; each eviction's slots are whole pages;
+each refused admission is checked against the manager's own state before it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class RadixPagesMachine(LockstepMachine):
         self.record(f"pages = radix_page_manager(num_pages={num_pages}, page_size={page_size})")
         spec = model.new_pages(num_pages, page_size, self.conventions.radix)
         self.pages = self.subject("pages", model, spec, self.implementation.radix_page_manager(num_pages, page_size))
+        self.state = self.pages.snapshot()  # the manager's own, after its last call
         self.page_size, self.slots = page_size, num_pages * page_size
         self.texts = documents(page_size)
         self.queue: list[tuple[int, tuple[int, ...], int]] = []  # (id, tokens, tokens left to generate)
@@ -93,10 +95,9 @@ class RadixPagesMachine(LockstepMachine):
         for _ in range(count):
             while self.queue:
                 rid, tokens, left = self.queue[0]
-                answer = self.call("admit", rid, tokens)
-                if answer is None or answer.expected is None:
-                    event("admission waits: too few free and evictable pages")
-                    break
+                answer = self.admit(rid, tokens)
+                if answer is None or answer.expected is None or answer.actual is None:
+                    break  # it waits; refused on one side only, that is this step's finding
                 self.queue.pop(0)
                 self.running[rid] = left
                 self.prompts.append((tokens, self.evicted))
@@ -114,6 +115,22 @@ class RadixPagesMachine(LockstepMachine):
                 else:
                     self.preempt(rid, data.draw(st.booleans(), label="cache what it computed"), why="by the scheduler")
 
+    def admit(self, rid: int, tokens: tuple[int, ...]) -> Answer | None:
+        """Admit; a refusal is checked against the manager's own state before it: too few pages free or
+        evictable, and nothing left behind."""
+        before = self.state
+        answer = self.call("admit", rid, tokens)
+        needed, room = model.admission_room(before, tokens)
+        if answer is None or answer.actual is None:
+            self.check(model.invariant_pages_refused_only_when_short, before, tokens)
+            self.check(model.invariant_pages_refusal_leaves_nothing, before, self.state)
+            event("admission waits: too few free and evictable pages")
+            if room > len(before.free):
+                event("admission refused with evictable pages")
+        elif needed > len(before.free):
+            event("admission evicted pages to fit")
+        return answer
+
     def decode(self, data: st.DataObject, rid: int) -> None:
         """One token; with no page for it, the latest admitted request is preempted (perhaps this one) and it tries again."""
         while rid in self.running:
@@ -124,12 +141,16 @@ class RadixPagesMachine(LockstepMachine):
                     self.leave(rid, keep=True, why="finished")
                 return
             latest = list(self.running)[-1]
-            self.preempt(latest, data.draw(st.booleans(), label="cache what it computed"), why="decode out of pages")
+            keep = data.draw(st.booleans(), label="cache what it computed")
+            if not self.preempt(latest, keep, why="decode out of pages"):
+                return  # the preemption was refused: this step's finding, and no page will come
 
-    def preempt(self, rid: int, keep: bool, why: str) -> None:
+    def preempt(self, rid: int, keep: bool, why: str) -> bool:
         tokens, left = self.pages.model.requests[rid].tokens, self.running[rid]
-        if self.leave(rid, keep, why=f"preempted ({why}), {'cached' if keep else 'dropped'}"):
-            self.queue.insert(0, (rid, tokens, left))
+        if not self.leave(rid, keep, why=f"preempted ({why}), {'cached' if keep else 'dropped'}"):
+            return False
+        self.queue.insert(0, (rid, tokens, left))
+        return True
 
     def leave(self, rid: int, keep: bool, why: str) -> bool:
         if self.call("release", rid, keep) is None:
@@ -190,7 +211,7 @@ class RadixPagesMachine(LockstepMachine):
         a state a step passes through (no request running, between a finish and an admission) is checked."""
         answer = self.pages(operation, *args)
         impl = self.pages.impl
-        state = impl.snapshot()
+        self.state = state = impl.snapshot()
         self.check_group(model.STATE, state, impl.evictable_size(), impl.protected_size(), impl.available_size())
         self.check(model.invariant_pages_refine_spec, state, model.abstract(self.pages.model))
         return answer

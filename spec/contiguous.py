@@ -24,9 +24,12 @@ Rules (vLLM §3 and Fig. 3, lecture §3):
 * ``append(request, n)`` writes ``n`` more tokens into the region, never past
   the slots the request asked for.  ``free(request)`` ends the request.
 * Errors: no free block large enough now raises ``OutOfBlocks`` (a finishing
-  request may make room); a request no empty arena could place raises
-  ``RequestTooLarge``; a duplicate, unknown or malformed request, or writing
-  past the reservation, raises ``InvalidOperation``.  Each changes nothing.
+  request may make room) -- and only then: free slots that would hold the
+  region once merged as ``free`` merges (holes side by side; under ``buddy``
+  an aligned window of the region's size) must be given.  A request no empty
+  arena could place raises ``RequestTooLarge``; a duplicate, unknown or
+  malformed request, or writing past the reservation, raises
+  ``InvalidOperation``.  Each changes nothing.
 
 The ledger (vLLM Fig. 3) says where every slot goes, given each live
 request's final length (``ledger``):
@@ -61,6 +64,8 @@ after every step by ``kvspec.properties.test_contiguous``:
   block is a power of two starting at a multiple of its size.
 * ``invariant_free_space_coalesced`` [convention] -- no free block is left
   beside its free buddy (``buddy``) or beside another free hole (``first-fit``).
+* ``invariant_refused_only_when_no_run_fits`` [safety] -- a request is refused
+  only when no run of free slots could hold its region.
 * ``invariant_ledger_exact`` [safety] -- the allocator's ledger classifies
   every slot exactly as the spec does, given each request's final length.
 * ``invariant_arena_refines_spec`` [convention] -- the implementation's state
@@ -351,6 +356,38 @@ def invariant_region_fits(state: ArenaState) -> str | None:
                 f"request {region.request_id} holds {region.tokens} tokens in a region of {region.size} slots"
                 f" after asking for {region.requested}"
             )
+    return None
+
+
+def free_runs(state: ArenaState) -> list[FreeBlock]:
+    """The runs of free slots: free blocks side by side, merged."""
+    runs: list[FreeBlock] = []
+    for block in sorted(state.free, key=lambda b: b.offset):
+        if runs and runs[-1].offset + runs[-1].size == block.offset:
+            runs[-1] = FreeBlock(runs[-1].offset, runs[-1].size + block.size)
+        else:
+            runs.append(block)
+    return runs
+
+
+def room_for(state: ArenaState, size: int) -> FreeBlock | None:
+    """Free slots that could hold a region of ``size``, merged as ``free`` merges: any run under first-fit;
+    under buddy an aligned window, which never crosses the arena's chunks (``buddy_chunks``)."""
+    for run in free_runs(state):
+        start = -(-run.offset // size) * size if state.placement == "buddy" else run.offset
+        if start + size <= run.offset + run.size:
+            return FreeBlock(start, size)
+    return None
+
+
+@invariant("a false out-of-memory turns a request away, or preempts one, while the slots it needs lie free", "safety")
+def invariant_refused_only_when_no_run_fits(before: ArenaState, slots: int) -> str | None:
+    """A request for ``slots`` was refused; ``before`` is the allocator's own snapshot before the call."""
+    room = room_for(before, region_size(before.placement, slots))
+    if room is not None:
+        return (
+            f"a request for {slots} slots was refused while slots [{room.offset}, {room.offset + room.size}) were free"
+        )
     return None
 
 

@@ -15,7 +15,9 @@ Rules (SGLang's paged ``TokenToKVPoolAllocator`` under its ``RadixCache``; lectu
   the request lives in its matched value, or at offset ``i % page_size`` of
   a new page.  The answer is the number of tokens the cache supplied.  With
   too few free and evictable pages the answer is ``None`` and nothing is
-  taken: the request waits, and only its match's use remains.
+  taken: the request waits, and only its match's use remains.  Never
+  otherwise: the pages it needs are counted against the free ones and every
+  cached page no lock protects once its match is locked (``admission_room``).
 * ``decode(request, token)`` -- one more token; after a full page it takes a
   new page (evicting if it must), else ``OutOfBlocks`` and no change: the
   caller preempts someone and tries again.
@@ -50,6 +52,11 @@ Invariants (tier in brackets):
 * ``invariant_pages_quiescent`` [safety] -- with no request running,
   everything cached is evictable and no lock is held.
 * ``invariant_pages_evicted_whole`` [safety] -- an eviction frees whole pages.
+* ``invariant_pages_refused_only_when_short`` [safety] -- an admission is
+  refused only when the free pages and those the tree could evict, its match
+  locked, are fewer than it takes.
+* ``invariant_pages_refusal_leaves_nothing`` [safety] -- a refused admission
+  leaves the locks, the free pages and the cache as they were.
 * ``invariant_pages_read_back`` [safety] -- each running request's slots, and
   each cached token's slot, hold that token.
 * ``invariant_pages_refine_spec`` [convention] -- the implementation is in
@@ -324,6 +331,45 @@ def invariant_pages_read_back(state: PagesState) -> str | None:
     for key, slot in state.cache.values.items():
         if state.contents[slot] != _token(key[-1]):
             return f"cached token {_token(key[-1])!r} of a prefix of {len(key)} lives in slot {slot}, which holds {state.contents[slot]}"
+    return None
+
+
+def admission_room(state: PagesState, tokens: Sequence[int]) -> tuple[int, int]:
+    """The pages admitting ``tokens`` takes in ``state``, and the pages free or evictable once its match is locked."""
+    p = state.page_size
+    named = radix_cache.name_tokens(tokens[: len(tokens) - len(tokens) % p], p)
+    matched = len(radix_cache.longest_cached(state.cache, named))
+    locked = state.cache.protected | set(radix_cache.path(named, matched))
+    evictable = len(state.cache.values.keys() - locked)
+    return blocks_for(len(tokens) - matched, p), len(state.free) + evictable // p
+
+
+@invariant(
+    "a false out-of-memory keeps a request waiting, and the batch small, while the pages it needs are free or "
+    "evictable",
+    "safety",
+)
+def invariant_pages_refused_only_when_short(before: PagesState, tokens: Sequence[int]) -> str | None:
+    """An admission of ``tokens`` was refused; ``before`` is the manager's own snapshot before the call."""
+    needed, room = admission_room(before, tokens)
+    if needed <= room:
+        return f"an admission that takes {needed} pages was refused while {room} pages were free or evictable"
+    return None
+
+
+@invariant(
+    "a request that waits holds nothing: a lock its refused admission kept pins the prefix for good, a page it took "
+    "is lost until restart",
+    "safety",
+)
+def invariant_pages_refusal_leaves_nothing(before: PagesState, after: PagesState) -> str | None:
+    if after.cache.locks != before.cache.locks:
+        return f"a refused admission left the locks {dict(after.cache.locks)}, they were {dict(before.cache.locks)}"
+    if after.free != before.free:
+        taken, freed = sorted(before.free - after.free), sorted(after.free - before.free)
+        return f"a refused admission took free pages {taken} and freed pages {freed}"
+    if after.cache.values != before.cache.values:
+        return "a refused admission changed what the tree caches"
     return None
 
 

@@ -12,6 +12,7 @@ from kvspec.impl.broken import members
 from kvspec.impl.contiguous import ContiguousAllocator
 from kvspec.spec import contiguous as contiguous_spec
 from kvspec.spec.contiguous import Ledger
+from kvspec.spec.errors import OutOfBlocks
 from kvspec.spec.invariants import invariant_result_matches_spec
 
 allocator = members("contiguous_allocator", "contiguous allocators")  # an allocator, and what catches it there
@@ -99,6 +100,24 @@ class PlacesInLastFit(ContiguousAllocator):
 
 
 places_in_last_fit = allocator("first-fit takes the last hole", PlacesInLastFit, invariant_result_matches_spec)
+
+
+class GivesUpAtTheFirstHole(ContiguousAllocator):
+    """First-fit that tries the lowest hole alone and reports out of memory when it is too small, though a
+    later hole -- the largest, even -- would hold the request: the caller waits, or preempts, for nothing."""
+
+    def _take_hole(self, size: int) -> int:
+        first = self._hole_sizes[self._hole_offsets[0]] if self._hole_offsets else 0
+        if first < size:
+            raise OutOfBlocks(size, first, "contiguous slots")
+        return super()._take_hole(size)
+
+
+gives_up_at_the_first_hole = allocator(
+    "first-fit gives up at the first hole",
+    GivesUpAtTheFirstHole,
+    contiguous_spec.invariant_refused_only_when_no_run_fits,
+)
 
 
 class PrefillWritesOneToken(ContiguousAllocator):

@@ -6,6 +6,8 @@ subclass of the reference.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvspec.impl.broken import members
 from kvspec.impl.radix_cache import RadixCache
 from kvspec.impl.radix_pages import RadixPageManager
@@ -93,3 +95,36 @@ class EvictsBeforeFree(RadixPageManager):
 
 
 evicts_before_free = pages("evicts while pages are free", EvictsBeforeFree, spec.invariant_pages_refine_spec)
+
+
+class CountsFreePagesAlone(RadixPageManager):
+    """Sizes a request by the free pages alone, as a scheduler that reads ``available_size()`` and forgets
+    ``evictable_size()``: with the tree warm, a request waits (and a decode preempts) while unlocked cached
+    pages could be evicted for it."""
+
+    def _room(self, pages: int) -> bool:
+        return pages <= len(self._free)
+
+
+counts_free_pages_alone = pages(
+    "refuses with evictable pages", CountsFreePagesAlone, spec.invariant_pages_refused_only_when_short
+)
+
+
+class RefusalKeepsLock(RadixPageManager):
+    """An admission locks its matched prefix before it sizes the rest; refused, it returns without the
+    ``dec_lock_ref`` -- the waiting request holds a lock that pins the prefix until it is admitted, or for
+    good if it never is."""
+
+    def admit(self, request_id: RequestId, tokens: Sequence[int]) -> int | None:
+        answer = super().admit(request_id, tokens)
+        if answer is None:
+            matched = len(self._cache.match_prefix(tokens))
+            if matched:
+                self._cache.lock(tokens[:matched])
+        return answer
+
+
+refusal_keeps_lock = pages(
+    "a refused admission keeps its lock", RefusalKeepsLock, spec.invariant_pages_refusal_leaves_nothing
+)
