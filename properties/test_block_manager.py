@@ -51,13 +51,22 @@ def draft_room(manager: model.Manager, seq: SeqId) -> int:
     return 0 if free < copies else size - offset + (free - copies) * size
 
 
+def draft_sizes(held: int, room: int, block_size: int) -> st.SearchStrategy[int]:
+    """How many tokens the draft model proposes for a sequence of ``held`` tokens with ``room`` for them: as often
+    as not just enough to fill its last block, or to fill a block and go past it -- so that a rollback can reach
+    into a block the draft filled -- else any number."""
+    to_fill = -held % block_size or block_size
+    fills = [st.just(size) for size in (to_fill, to_fill + 1) if size <= room]
+    return st.one_of(*fills, st.integers(1, room))
+
+
 def rejections(held: int, drafted: int, block_size: int) -> st.SearchStrategy[int]:
     """How many of the ``drafted`` last of ``held`` tokens verification rejects: any number, or as often one that
     reaches back across the last block boundary into the block before, which the draft had filled."""
     last = held % block_size or block_size  # the tokens in the last block
     if drafted <= last or block_size == 1:
-        return st.integers(0, drafted)
-    return st.integers(0, drafted) | st.integers(last + 1, min(drafted, last + block_size - 1))
+        return st.integers(1, drafted) | st.integers(0, drafted)
+    return st.integers(last + 1, min(drafted, last + block_size - 1)) | st.integers(0, drafted)
 
 
 def rollback_event(before: ManagerState, after: ManagerState, seq: SeqId) -> str:
@@ -273,7 +282,7 @@ class BlockManagerMachine(LockstepMachine):
         if room == 0:
             event("speculate: no room for a draft")
             return
-        size = data.draw(st.integers(1, room) | st.just(room), label="draft size")
+        size = data.draw(draft_sizes(len(device.model.tokens.get(seq, ())), room, self.block_size), label="draft size")
         draft = data.draw(st.lists(TOKENS, min_size=size, max_size=size, unique=True), label="draft tokens")
         if self.extend(seq, draft) is None:
             return

@@ -19,6 +19,12 @@ cached blocks have changed since; it re-admits an earlier request's prompt and
 key in the same slot or another, and replays an earlier prompt after evicting
 cached blocks.
 
+Where the manager offers ``rollback``, decode steps are as often as not
+speculative (``kvspec.spec.speculative``): draft tokens appended, registered
+as they fill blocks, sometimes hit by a request admitted before their
+verification, the rejected ones rolled back -- often into a block the draft
+filled -- and the target's token appended.
+
 ``DeferredCommitMachine`` runs the same rules on a manager that registers
 blocks only when the forward has run (``commit="after_forward"``): requests
 commit after each forward, and some are aborted -- freed -- before theirs.  The machine learns the relation between the implementation's hashes
@@ -37,7 +43,8 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvspec.properties.alphabets import EDGE_TOKENS, RICH_KEYS, TOKEN_WRAPS, near_misses
 from kvspec.properties.harness import LockstepMachine, conformance_test
-from kvspec.spec import block_manager, block_pool
+from kvspec.properties.test_block_manager import TARGET_TOKEN, draft_room, draft_sizes, rejections, rollback_event
+from kvspec.spec import block_manager, block_pool, speculative
 from kvspec.spec import prefix_cache as model
 from kvspec.spec.block_manager import blocks_for
 from kvspec.spec.errors import KVSpecError, OutOfBlocks
@@ -72,7 +79,7 @@ def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
 
 class PrefixCacheMachine(LockstepMachine):
     uses = frozenset({"block_pool", "prefix_caching_manager"})
-    judges = ("prefix_cache", "block_manager", "block_pool", "invariants")
+    judges = ("prefix_cache", "speculative", "block_manager", "block_pool", "invariants")
     capacities = st.integers(2, 6)
     block_sizes = st.integers(1, 3)
     commit_point: model.Commit = "on_fill"
@@ -215,8 +222,16 @@ class PrefixCacheMachine(LockstepMachine):
     @rule(seq=SEQS, data=st.data())
     def append(self, seq: int, data: st.DataObject) -> None:
         """A decode step; then, as often as not, the scheduler retries a write it was refused."""
-        self.write("append", seq, data.draw(self.new_tokens, label="tokens"))
+        self.decode(seq, data, "tokens")
         self.maybe_retry(data, "then a refused write again")
+
+    def decode(self, seq: int, data: st.DataObject, label: str) -> None:
+        """A decode step of ``seq``: as often as not a speculative one, if it is running and rollback is offered."""
+        running = seq in self.manager.model.manager.tables and self.offers("prefix_caching_manager", "rollback")
+        if running and data.draw(st.booleans(), label="speculative"):
+            self.decode_speculatively(seq, data)
+        else:
+            self.write("append", seq, data.draw(self.new_tokens, label=label))
 
     @rule(data=st.data())
     def serve_request(self, data: st.DataObject) -> None:
@@ -232,10 +247,60 @@ class PrefixCacheMachine(LockstepMachine):
         """Admit, forward (commit), decode, forward (commit), finish; whether it was admitted."""
         admitted = self.admit(REQUEST, prompt, extra_key, earlier)
         self.forward(REQUEST)
-        self.write("append", REQUEST, data.draw(self.new_tokens, label="decoded"))
+        self.decode(REQUEST, data, "decoded")
         self.forward(REQUEST)
         self.manager("free", REQUEST)
         return admitted
+
+    # -- speculative decoding ------------------------------------------------------------
+
+    @precondition(lambda self: self.offers("prefix_caching_manager", "rollback"))
+    @rule(seq=SEQS, data=st.data())
+    def speculate(self, seq: int, data: st.DataObject) -> None:
+        """A speculative decode step of ``seq`` if it is running with room for a draft, else of the running request
+        with the most room (an engine drafts for the requests it can); with none running, ``seq``'s is refused."""
+        manager = self.manager.model.manager
+        running = sorted(manager.tables, key=lambda s: draft_room(manager, s))
+        if running and (seq not in manager.tables or not draft_room(manager, seq)):
+            seq = running[-1]
+        self.decode_speculatively(seq, data)
+
+    def decode_speculatively(self, seq: int, data: st.DataObject) -> None:
+        """Draft tokens appended (registered as they fill blocks, under on_fill), the last j <= k rejected and
+        rolled back -- as often as not into a block the draft filled -- then the target's token appended and
+        the forward committed.  As often as not, between the draft and its verification another request is
+        admitted whose prompt is the drafted sequence's tokens and more: it hits the blocks the draft filled,
+        so the rollback reaches into a full block that is registered and shared."""
+        manager = self.manager.model.manager
+        room = min(draft_room(manager, seq), 2 * self.block_size + 1) if seq in manager.tokens else 1
+        if room == 0:
+            event("speculate: no room for a draft")
+            return
+        size = data.draw(draft_sizes(len(manager.tokens.get(seq, ())), room, self.block_size), label="draft size")
+        if not self.write("append", seq, data.draw(st.lists(TOKENS, min_size=size, max_size=size), label="draft")):
+            return
+        if data.draw(st.booleans(), label="a request hits the draft before its verification"):
+            self.hit_draft(seq)
+        held = len(self.manager.model.manager.tokens[seq])
+        rejected = data.draw(rejections(held, size, self.block_size), label="rejected")
+        before = self.manager.snapshot()
+        pending = self.manager.model.pending.get(seq, ())
+        if self.manager("rollback", seq, rejected) is not None:
+            after = self.manager.snapshot()
+            if self.manager.model.pending.get(seq, ()) != pending:
+                event("speculate: rolled back into a pending block")
+            self.check(speculative.invariant_rollback_keeps_prefix, before, after, seq, rejected)
+            event(rollback_event(before, after, seq))
+            if self.write("append", seq, [TARGET_TOKEN]):
+                self.check(speculative.invariant_no_write_into_cached_or_shared_block, after, self.manager.snapshot())
+        self.forward(seq)
+
+    def hit_draft(self, seq: int) -> None:
+        """Admit, in a free slot if there is one, a request whose prompt is ``seq``'s tokens and one more."""
+        manager = self.manager.model
+        free = [slot for slot in range(REQUEST) if slot not in manager.manager.tables]
+        if free:
+            self.admit(free[0], [*manager.manager.tokens[seq], TARGET_TOKEN], manager.extra_keys[seq])
 
     # -- deferred commit ---------------------------------------------------------------
 

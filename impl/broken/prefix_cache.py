@@ -13,7 +13,7 @@ from kvspec.impl.block_pool import BlockPool
 from kvspec.impl.broken import members
 from kvspec.impl.hashing import ROOT, BlockHash, hash_block
 from kvspec.impl.prefix_caching import PrefixCachingBlockManager
-from kvspec.spec import admission, block_manager, block_pool
+from kvspec.spec import admission, block_manager, block_pool, speculative
 from kvspec.spec import prefix_cache as spec
 from kvspec.spec.block_manager import SeqId, WritePlan
 from kvspec.spec.errors import OutOfBlocks
@@ -244,4 +244,39 @@ reports_first_probe_hits = cache(
     ReportsFirstProbeHits,
     spec.invariant_hits_stop_at_first_miss,
     also=[(admission.invariant_hits_probed_at_admission, "scheduler over the prefix cache")],
+)
+
+
+class WritesIntoRolledBackBlock(PrefixCachingBlockManager):
+    """After a rollback into a block the draft had filled -- registered under its hash when it filled -- the
+    target's token is written into that block in place, as into any private partial block: the cached block now
+    holds a token its hash does not name, and the next prompt that hits it reads that token's KV.  (vLLM v1 keeps
+    draft tokens out of the blocks it caches -- ``KVCacheManager.allocate_slots`` caches up to the tokens less
+    ``num_draft_tokens``, PR #18668 -- because a cached block must never be written again.)"""
+
+    def _last_block_cached(self, seq: SeqId) -> bool:
+        return False
+
+
+writes_into_rolled_back_block = cache(
+    "the target's token written into the cached block a rollback reached",
+    WritesIntoRolledBackBlock,
+    speculative.invariant_no_write_into_cached_or_shared_block,
+)
+
+
+class KeepsRolledBackBlockPending(PrefixCachingBlockManager):
+    """A rollback truncates the tokens and the hash chain but leaves the pending list as it was: the commit after
+    the verification registers a block the draft filled under the draft's hash, though it now holds the target's
+    token in place of the rejected ones."""
+
+    def rollback(self, seq: SeqId, n: int) -> None:
+        pending = list(self._pending.get(seq, ()))
+        super().rollback(seq, n)
+        if pending:
+            self._pending[seq] = pending
+
+
+keeps_rolled_back_block_pending = deferred(
+    "a rolled-back block stays pending", KeepsRolledBackBlockPending, spec.invariant_cached_block_holds_its_prefix
 )
