@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
 from kvspec.properties.harness import Answer, LockstepMachine, conformance_test
+from kvspec.spec import radix_cache
 from kvspec.spec import radix_pages as model
 
 TOKENS = st.integers(0, 9)
@@ -58,6 +59,7 @@ class RadixPagesMachine(LockstepMachine):
         self.next_id = 0
         self.evicted = 0  # tokens evicted by the engine's trims so far
         self.quiescent = 0  # times no request ran while the cache held tokens
+        self.probed_the_brim = False
 
     # -- requests ----------------------------------------------------------------------
 
@@ -92,6 +94,8 @@ class RadixPagesMachine(LockstepMachine):
 
         The incidents ride on the step, which runs in nearly every example (swarm testing turns off a rule
         of their own in many)."""
+        if not self.probed_the_brim:
+            self.at_the_brim(data)
         for _ in range(count):
             while self.queue:
                 rid, tokens, left = self.queue[0]
@@ -115,14 +119,42 @@ class RadixPagesMachine(LockstepMachine):
                 else:
                     self.preempt(rid, data.draw(st.booleans(), label="cache what it computed"), why="by the scheduler")
 
+    def at_the_brim(self, data: st.DataObject) -> None:
+        """At an example's first step, with unlocked pages in the tree (a document served and cached first if
+        there are none): a prompt the tree does not hold, one page longer than the free and evictable pages,
+        which must wait, then one exactly as long, which must be admitted by evicting (where a manager that
+        counts free pages alone refuses falsely); each admitted leaves at once, cached."""
+        self.probed_the_brim = True
+        if self.free_or_evictable() == len(self.state.free):
+            self.serve(data.draw(st.sampled_from(self.texts), label="served first"), why="served first")
+        p = self.page_size
+        firsts = {key[0] for key in self.state.cache.values}
+        fresh = next((t for t in range(10) if radix_cache.name_tokens((t,) * p, p)[0] not in firsts), None)
+        if fresh is not None:
+            available = self.free_or_evictable()
+            for pages in (available + 1, available):
+                self.serve((fresh,) * (pages * p), why="served at the brim")
+
+    def serve(self, tokens: tuple[int, ...], why: str) -> None:
+        """A request admitted past the queue that leaves at once, its pages cached."""
+        rid = self.next_id = self.next_id + 1
+        answer = self.admit(rid, tokens)
+        if answer is not None and answer.expected is not None and answer.actual is not None:
+            self.running[rid] = 0
+            self.leave(rid, keep=True, why=why)
+
+    def free_or_evictable(self) -> int:
+        """The pages a request that matches nothing could have."""
+        return model.room(self.state, -1, ())[1]
+
     def admit(self, rid: int, tokens: tuple[int, ...]) -> Answer | None:
         """Admit; a refusal is checked against the manager's own state before it: too few pages free or
-        evictable, and nothing left behind."""
+        evictable, and nothing left behind (a decode's refusal is checked in ``decode``)."""
         before = self.state
         answer = self.call("admit", rid, tokens)
-        needed, room = model.admission_room(before, tokens)
+        needed, room = model.room(before, rid, tokens)
         if answer is None or answer.actual is None:
-            self.check(model.invariant_pages_refused_only_when_short, before, tokens)
+            self.check(model.invariant_pages_refused_only_when_short, before, rid, tokens)
             self.check(model.invariant_pages_refusal_leaves_nothing, before, self.state)
             event("admission waits: too few free and evictable pages")
             if room > len(before.free):
@@ -134,12 +166,15 @@ class RadixPagesMachine(LockstepMachine):
     def decode(self, data: st.DataObject, rid: int) -> None:
         """One token; with no page for it, the latest admitted request is preempted (perhaps this one) and it tries again."""
         while rid in self.running:
-            tokens = self.pages.model.requests[rid].tokens
-            if self.call("decode", rid, (7 * rid + 3 * len(tokens)) % 10) is not None:
+            tokens, before = self.pages.model.requests[rid].tokens, self.state
+            token = (7 * rid + 3 * len(tokens)) % 10
+            if self.call("decode", rid, token) is not None:
                 self.running[rid] -= 1
                 if self.running[rid] == 0:
                     self.leave(rid, keep=True, why="finished")
                 return
+            if rid in before.requests:  # refused by a manager that runs it: it had to find no page
+                self.check(model.invariant_pages_refused_only_when_short, before, rid, (token,))
             latest = list(self.running)[-1]
             keep = data.draw(st.booleans(), label="cache what it computed")
             if not self.preempt(latest, keep, why="decode out of pages"):

@@ -17,10 +17,11 @@ Rules (SGLang's paged ``TokenToKVPoolAllocator`` under its ``RadixCache``; lectu
   too few free and evictable pages the answer is ``None`` and nothing is
   taken: the request waits, and only its match's use remains.  Never
   otherwise: the pages it needs are counted against the free ones and every
-  cached page no lock protects once its match is locked (``admission_room``).
+  cached page no lock protects once its match is locked (``room``).
 * ``decode(request, token)`` -- one more token; after a full page it takes a
-  new page (evicting if it must), else ``OutOfBlocks`` and no change: the
-  caller preempts someone and tries again.
+  new page (evicting if it must), else -- no page free or evictable, and
+  only then -- ``OutOfBlocks`` and no change: the caller preempts someone and
+  tries again.
 * ``release(request, keep)`` -- the request leaves.  With ``keep`` (a finish,
   early or not, or a preemption that caches what it computed) its whole
   pages are inserted with their slots; pages of tokens the tree held already
@@ -52,9 +53,9 @@ Invariants (tier in brackets):
 * ``invariant_pages_quiescent`` [safety] -- with no request running,
   everything cached is evictable and no lock is held.
 * ``invariant_pages_evicted_whole`` [safety] -- an eviction frees whole pages.
-* ``invariant_pages_refused_only_when_short`` [safety] -- an admission is
-  refused only when the free pages and those the tree could evict, its match
-  locked, are fewer than it takes.
+* ``invariant_pages_refused_only_when_short`` [safety] -- an admission or a
+  decode is refused only when the free pages and those the tree could evict
+  (a new request's match locked) are fewer than it takes.
 * ``invariant_pages_refusal_leaves_nothing`` [safety] -- a refused admission
   leaves the locks, the free pages and the cache as they were.
 * ``invariant_pages_read_back`` [safety] -- each running request's slots, and
@@ -334,14 +335,19 @@ def invariant_pages_read_back(state: PagesState) -> str | None:
     return None
 
 
-def admission_room(state: PagesState, tokens: Sequence[int]) -> tuple[int, int]:
-    """The pages admitting ``tokens`` takes in ``state``, and the pages free or evictable once its match is locked."""
-    p = state.page_size
-    named = radix_cache.name_tokens(tokens[: len(tokens) - len(tokens) % p], p)
-    matched = len(radix_cache.longest_cached(state.cache, named))
-    locked = state.cache.protected | set(radix_cache.path(named, matched))
-    evictable = len(state.cache.values.keys() - locked)
-    return blocks_for(len(tokens) - matched, p), len(state.free) + evictable // p
+def room(state: PagesState, request_id: RequestId, tokens: Sequence[int]) -> tuple[int, int]:
+    """The pages that admitting ``tokens`` (a decode's token, for a running request) takes in ``state``, and
+    the pages free or evictable once a new request's match is locked."""
+    p, held = state.page_size, state.requests.get(request_id)
+    if held is not None:
+        grown = len(held.tokens) + len(tokens)
+        needed, locked = blocks_for(grown, p) - blocks_for(len(held.tokens), p), state.cache.protected
+    else:
+        named = radix_cache.name_tokens(tokens[: len(tokens) - len(tokens) % p], p)
+        matched = len(radix_cache.longest_cached(state.cache, named))
+        needed = blocks_for(len(tokens) - matched, p)
+        locked = state.cache.protected | set(radix_cache.path(named, matched))
+    return needed, len(state.free) + len(state.cache.values.keys() - locked) // p
 
 
 @invariant(
@@ -349,11 +355,15 @@ def admission_room(state: PagesState, tokens: Sequence[int]) -> tuple[int, int]:
     "evictable",
     "safety",
 )
-def invariant_pages_refused_only_when_short(before: PagesState, tokens: Sequence[int]) -> str | None:
-    """An admission of ``tokens`` was refused; ``before`` is the manager's own snapshot before the call."""
-    needed, room = admission_room(before, tokens)
-    if needed <= room:
-        return f"an admission that takes {needed} pages was refused while {room} pages were free or evictable"
+def invariant_pages_refused_only_when_short(
+    before: PagesState, request_id: RequestId, tokens: Sequence[int]
+) -> str | None:
+    """An admission (or a running request's decode) of ``tokens`` was refused; ``before`` is the manager's own
+    snapshot before the call."""
+    needed, available = room(before, request_id, tokens)
+    if needed <= available:
+        call = "a decode" if request_id in before.requests else "an admission"
+        return f"{call} that takes {needed} pages was refused while {available} pages were free or evictable"
     return None
 
 

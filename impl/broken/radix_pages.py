@@ -12,6 +12,7 @@ from kvspec.impl.broken import members
 from kvspec.impl.radix_cache import RadixCache
 from kvspec.impl.radix_pages import RadixPageManager
 from kvspec.spec import radix_pages as spec
+from kvspec.spec.errors import OutOfBlocks
 from kvspec.spec.radix_pages import RequestId
 
 pages = members("radix_page_manager", "radix pages (SGLang's page manager)")  # a manager, and what catches it
@@ -108,6 +109,22 @@ class CountsFreePagesAlone(RadixPageManager):
 
 counts_free_pages_alone = pages(
     "refuses with evictable pages", CountsFreePagesAlone, spec.invariant_pages_refused_only_when_short
+)
+
+
+class DecodeSkipsEviction(RadixPageManager):
+    """A decode that needs a page takes a free one or reports out of memory without asking the tree to evict:
+    the scheduler retracts a running request while unlocked cached pages could have made room."""
+
+    def decode(self, request_id: RequestId, token: int) -> None:
+        held = self._requests.get(request_id)
+        if held is not None and len(held.tokens) % self._page_size == 0 and not self._free:
+            raise OutOfBlocks(1, 0, "pages")
+        super().decode(request_id, token)
+
+
+decode_skips_eviction = pages(
+    "a decode refuses with evictable pages", DecodeSkipsEviction, spec.invariant_pages_refused_only_when_short
 )
 
 
