@@ -124,6 +124,8 @@ class HierarchicalRadixMachine(LockstepMachine):
     def admit(self, data: st.DataObject) -> None:
         """Match the prompt, load its host hit back, make room on the device, cache it, maybe write it through."""
         key, write_through = self.drawn_request(data)
+        if not key:
+            return  # a prompt has a token at least
         self.prompts.append(tuple(key))
         values, host_hit = self.match(key)
         if host_hit:
