@@ -255,22 +255,31 @@ class KVStore:
 
     # -- operations ---------------------------------------------------------------------------
 
-    def put(self, node: int, key: Hashable, tokens: Sequence[int]) -> None:
+    def _writable(
+        self, node: int, key: Hashable, tokens: Sequence[int]
+    ) -> tuple[Node, Tokens, list[tuple[int, Block]]]:
+        """A put's node, contents and the key's replicas, once its arguments are checked."""
         here = self._node(node)
         if key is None:
             raise InvalidOperation("None is not a block key")
         contents = tuple(tokens)
         if not contents or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in contents):
             raise InvalidOperation(f"a block's contents are one or more token ids, got {contents!r}")
-        replicas = [(n, self._node(n).blocks[key]) for n in sorted(self._directory.get(key, ()))]
+        return here, contents, [(n, self._node(n).blocks[key]) for n in sorted(self._directory.get(key, ()))]
+
+    def _check_not_in_flight(self, key: Hashable, contents: Tokens, replicas: list[tuple[int, Block]]) -> None:
+        in_flight = [n for n, block in replicas if self._in_use(block) and block.tokens != contents]
+        if in_flight:
+            raise InvalidOperation(f"block {key!r} is in flight on node(s) {in_flight}: re-put it after the transfer")
+
+    def put(self, node: int, key: Hashable, tokens: Sequence[int]) -> None:
+        here, contents, replicas = self._writable(node, key, tokens)
         if replicas and self.conventions.reput != "refresh":
             mine = here.blocks.get(key)
             if self.conventions.reput == "touch" and mine is not None and mine.ready:
                 self._use(here, key)
             return
-        in_flight = [n for n, block in replicas if self._in_use(block) and block.tokens != contents]
-        if in_flight:
-            raise InvalidOperation(f"block {key!r} is in flight on node(s) {in_flight}: re-put it after the transfer")
+        self._check_not_in_flight(key, contents, replicas)
         mine = here.blocks.get(key)
         if mine is None:
             plan = self._room_plan(here, 0, key)
@@ -284,6 +293,35 @@ class KVStore:
             raise OutOfBlocks(1, 0, what=f"free slots in node {node}'s {self.conventions.tiers[0]} tier")
         self._write_replicas(node, replicas, contents)
         self._use(here, key)
+
+    def put_replicated(self, node: int, key: Hashable, tokens: Sequence[int], factor: int) -> tuple[int, ...]:
+        """A put on ``node``, then fresh copies on the next live nodes in ring order until ``factor`` distinct
+        nodes hold the key; every target's room is planned before anything is written."""
+        self._node(node)
+        live = [(node + step) % len(self._nodes) for step in range(len(self._nodes))]
+        live = [n for n in live if self._nodes[n] is not None]
+        if not isinstance(factor, int) or isinstance(factor, bool) or not 1 <= factor <= len(live):
+            raise InvalidOperation(f"a put cannot place {factor!r} replicas on distinct nodes: {len(live)} are live")
+        _, contents, replicas = self._writable(node, key, tokens)
+        if replicas and self.conventions.reput != "refresh":
+            self.put(node, key, contents)
+            return tuple(sorted(self._directory[key]))
+        self._check_not_in_flight(key, contents, replicas)
+        targets = [n for n in self._replica_targets(live, factor) if n != node and key not in self._node(n).blocks]
+        plans = [(n, self._room_plan(self._node(n), 0, key)) for n in targets]
+        self.put(node, key, contents)
+        for target, plan in plans:
+            there = self._node(target)
+            self._apply(target, there, plan, key, 0)
+            block = Block(
+                tier=0, tokens=contents, uses=1, last_use=self._tick(), ready=self.conventions.stores == "immediate"
+            )
+            self._insert(target, there, key, self._leased_from_the_start(block))
+        return tuple(sorted(self._directory[key]))
+
+    def _replica_targets(self, ring: list[int], factor: int) -> list[int]:
+        """The nodes after the writer (``ring[0]``) that complete ``factor`` replicas."""
+        return ring[1:factor]
 
     def _write_replicas(self, writer: int, replicas: list[tuple[int, Block]], contents: Tokens) -> None:
         for _, block in replicas:

@@ -11,8 +11,14 @@ pulls a replica, or -- when the prefix was lost -- recomputes it from the
 document's tokens and puts it back, and must read exactly the document.
 What a store offers beyond that is driven too: pending stores completed or
 failed, model time advanced past read leases, copies removed (in use: out of
-contract), and -- where eviction runs in the background -- ``settle`` after
-every operation, before anything is compared.
+contract), replicated puts (often followed by factor - 1 faults of their
+holders and a read of what is left), and -- where eviction runs in the
+background -- ``settle`` after every operation, before anything is compared.
+Every run starts with a node's copies sunk to its last tier and the first to
+arrive read there in place, so that the last tier holds copies out of arrival
+order (``spec.kv_store_placement``); puts onto a first tier full of copies
+being read are refused for want of room, and a store that carries one out all
+the same is judged on that call by the rules of its own states.
 The search revisits: a put, get or replication refused (no unpinned room, a
 dead node) is retried after an unpin, a restart or a settle, and documents
 are served again, often after eviction or a fault took some of their blocks
@@ -22,6 +28,7 @@ them off.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,8 +41,10 @@ from kvspec.impl.kv_store import with_conventions
 from kvspec.properties.harness import LockstepMachine, conformance_settings, conformance_test, run_machine
 from kvspec.spec import invariants
 from kvspec.spec import kv_store as model
+from kvspec.spec import kv_store_placement as placement
 from kvspec.spec.components import Offer, every_operation
 from kvspec.spec.conventions import Conventions, StoreConventions
+from kvspec.spec.errors import KVSpecError, OutOfBlocks
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.kv_store import Key, Place, StoreState, Tokens
 
@@ -53,28 +62,35 @@ def document_blocks(document: Tokens) -> list[tuple[Key, Tokens]]:
 
 class KVStoreMachine(LockstepMachine):
     uses = frozenset({"kv_store"})
-    judges = ("kv_store", "invariants")
-    node_counts = (1, 2, 2, 3, 3)  # replicas and faults need company
+    judges = ("kv_store", "kv_store_placement", "invariants")
+    node_counts = (2, 1, 3, 2, 3)  # replicas and faults need company (the ends are drawn most often)
     capacities = st.integers(1, 3)
+    last_capacities = st.sampled_from([2, 1, 3])  # mostly room for two: only then can copies sit out of order
 
     @initialize(data=st.data())
     def start(self, data: st.DataObject) -> None:
         declared = self.conventions.store
         counts = [n for n in self.node_counts if declared.max_nodes is None or n <= declared.max_nodes]
         nodes = data.draw(st.sampled_from(counts), label="nodes")
-        capacities = tuple(data.draw(self.capacities, label=f"{tier} capacity") for tier in declared.tiers)
+        capacities = tuple(
+            data.draw(self.capacities if tier != declared.tiers[-1] else self.last_capacities, label=f"{tier} capacity")
+            for tier in declared.tiers
+        )
         policies = tuple(
             data.draw(st.sampled_from(declared.policies), label=f"{tier} policy") for tier in declared.tiers
         )
         self.record(f"store = kv_store(nodes={nodes}, capacities={capacities}, policies={policies})")
         store = self.implementation.component("kv_store")(nodes, capacities, policies)
-        self.store = self.subject("store", model, model.new_store(nodes, capacities, policies, declared), store)
+        spec = (model, placement)
+        self.store = self.subject("store", spec, model.new_store(nodes, capacities, policies, declared), store)
         self.written: dict[Key, Tokens] = {}
         self.lost_in_fault: set[Key] = set()
         self.refused: tuple[Callable[..., Any], tuple[Any, ...]] | None = None  # the put, get or replication
         self.served: set[Tokens] = set()
         self.evicted: set[tuple[Place, Tokens]] = set()  # copies that left their node, and what they held
         self.background = declared.eviction == "background" and self.offers("kv_store", "settle")
+        self.arrivals: dict[Place, int] = {}  # copies in their node's last tier -> when they arrived there
+        self.arrival_clock = itertools.count()
         # Most runs start with a hot block on two nodes: replicas are rare otherwise, and stale ones hide there.
         if (
             nodes > 1
@@ -84,6 +100,15 @@ class KVStoreMachine(LockstepMachine):
             key, tokens = data.draw(KEYS, label="key"), data.draw(CONTENTS, label="tokens")
             if self._put(0, key, tokens) and self._complete_if_pending(0, key):
                 self._replicate(key, 0, 1)
+        if self.replicable_puts():  # and one placed by a replicated put, as Mooncake places a hot block
+            key, tokens = data.draw(KEYS, label="key"), data.draw(CONTENTS, label="tokens")
+            self.replicated_put(data, 0, key, tokens, st.integers(2, nodes), faults=False)
+        # Every run starts with a node's blocks sunk to its last tier, one read there in place: out of arrival
+        # order, where a tier kept as a queue gives up the wrong victim -- a state rarely reached otherwise.
+        for key in ("h0", "h1"):
+            if self._put(0, key, data.draw(CONTENTS, label="tokens")):
+                self._complete_if_pending(0, key)
+        self.sink(0)
 
     # -- one lockstep path for every operation ------------------------------------
 
@@ -102,6 +127,7 @@ class KVStoreMachine(LockstepMachine):
         targets = {at: ghosts.target for at, ghosts in self.store.model.ghosts.items()}
         answer = self.store(operation, *args, judged_by=None)
         if answer is None:
+            self._judge_refused(operation, args, before)
             return False, None
         if any(ghosts.target != targets.get(at, 0.0) for at, ghosts in self.store.model.ghosts.items()):
             event("an ARC tier adapted its target to a ghost hit")
@@ -120,7 +146,47 @@ class KVStoreMachine(LockstepMachine):
             (place, expected_before.contents[place]) for place in chosen if place in expected_before.contents
         )
         self.check(model.invariant_demotion_keeps_the_block, before, after, chosen, against_model=True)
+        self._note_arrivals()
         return True, answer.actual
+
+    def _judge_refused(self, operation: str, args: tuple[Any, ...], before: StoreState) -> None:
+        """A call the spec refused for want of room that the store carried out all the same: the store's own
+        transition rules still judge it, on its states before and after (``spec.kv_store_placement``)."""
+        try:
+            self.store.transition(operation)(self.store.model, *args)
+            return
+        except OutOfBlocks:
+            after = self.store.snapshot()
+        except KVSpecError:
+            return
+        if after == before:
+            return
+        event("the store carried out a call the spec refused for want of room")
+        last = len(before.capacities) - 1
+        left_the_last_tier = [
+            (n, k) for n, tiers in enumerate(before.tiers) for k in tiers[last] if (n, k) not in after.contents
+        ]
+        self.check(model.invariant_pinned_never_evicted, before, after)
+        self.check(model.invariant_demotion_keeps_the_block, before, after, left_the_last_tier)
+
+    def _note_arrivals(self) -> None:
+        """Record when copies reached their node's last tier, and whether its policy's order is not that
+        arrival order: the states where a tier kept as a queue gives up the wrong victim."""
+        store = self.store.model
+        last = len(store.capacities) - 1
+        there = {place for place, copy in store.copies.items() if copy.tier == last}
+        self.arrivals = {place: at for place, at in self.arrivals.items() if place in there}
+        for place in sorted(there - set(self.arrivals), key=lambda p: store.copies[p].last_use):
+            self.arrivals[place] = next(self.arrival_clock)
+        if any(self.out_of_arrival_order(node) for node in {node for node, _ in there}):
+            event("the last tier's policy order is not its arrival order")
+
+    def out_of_arrival_order(self, node: int) -> bool:
+        """Whether the node's last tier would give up its copies in another order than they arrived in."""
+        if self.conventions.store.victims == "engine":  # no order to state
+            return False
+        order = model.eviction_order(self.store.model, node, len(self.store.model.capacities) - 1)
+        return list(order) != sorted(order, key=lambda key: self.arrivals[(node, key)])
 
     def _settle(self) -> tuple[Place, ...]:
         """The background evictor's work, done; the copies it dropped."""
@@ -151,9 +217,12 @@ class KVStoreMachine(LockstepMachine):
 
     @rule(data=st.data(), key=KEYS, tokens=CONTENTS)
     def put(self, data: st.DataObject, key: str, tokens: Tokens) -> None:
+        """A put; where the store offers them and has company, as often as not a replicated one."""
         self.revisit(data)
         node = self.node(data)
-        if self._put(node, key, tokens):
+        if self.replicable_puts() and data.draw(st.booleans(), label="with replicas"):
+            self.replicated_put(data, node, key, tokens)
+        elif self._put(node, key, tokens):
             self.transfer_ends(data, node, key)
 
     def transfer_ends(self, data: st.DataObject, node: int, key: Key) -> None:
@@ -176,6 +245,28 @@ class KVStoreMachine(LockstepMachine):
             document = data.draw(st.sampled_from(sorted(self.served)), label="earlier document")
             self._serve(data.draw(st.integers(0, len(self.store.model.alive) - 1), label="node"), document)
 
+    def sink(self, node: int) -> None:
+        """Every copy of a node's upper tiers goes down, each tier giving them up in its policy's order (an LFU
+        tier its least used first, an ARC tier its recent list first), to the last tier; there the copy that
+        arrived first is read in place, pinned for the read.  The last tier then holds its copies out of arrival
+        order: a tier kept as a queue gives up the wrong victim."""
+        last = len(self.store.model.capacities) - 1
+        for tier in range(last):
+            held = sum(1 for (n, _), c in self.store.model.copies.items() if n == node and c.tier == tier)
+            for _ in range(held):
+                if self.demote(node, tier) is None:
+                    break
+        there = [k for (n, k), c in self.store.model.copies.items() if n == node and c.tier == last and c.ready]
+        if len(there) > 1:
+            key = min(there, key=lambda k: self.arrivals[(node, k)])
+            pinned = self._op("pin", node, key)[0]
+            for _ in range(3):  # an LFU tier: until it has been used more often than one that came after it
+                self._get(node, key)
+                if self.out_of_arrival_order(node):
+                    break
+            if pinned:
+                self._op("unpin", node, key)
+
     def _put(self, node: int, key: Key, tokens: Tokens) -> bool:
         def written(before: StoreState, after: StoreState, _: object) -> None:
             # What a hit must read from now on, as the store's own state says: the tokens put, unless the
@@ -189,6 +280,27 @@ class KVStoreMachine(LockstepMachine):
         if ok and replicated and self.conventions.store.reput == "refresh":
             event("re-put of a replicated block")
         return ok
+
+    def full_first_tiers(self) -> list[int]:
+        store = self.store.model
+        held = [
+            sum(1 for (n, _), c in store.copies.items() if n == node and c.tier == 0)
+            for node in range(len(store.alive))
+        ]
+        return [node for node, count in enumerate(held) if store.alive[node] and count == store.capacities[0]]
+
+    @precondition(lambda self: bool(self.full_first_tiers()))
+    @rule(data=st.data(), key=KEYS, tokens=CONTENTS)
+    def put_past_copies_in_use(self, data: st.DataObject, key: str, tokens: Tokens) -> None:
+        """A put onto a node whose first tier is full of copies being read (each pinned for it): there is no
+        victim to take, so the spec refuses it for want of room -- and a store that carries it out all the same
+        is judged on that call by the rules of its own state.  The readers then let go."""
+        node = data.draw(st.sampled_from(self.full_first_tiers()), label="node")
+        readers = [p for p, c in self.store.model.copies.items() if p[0] == node and c.tier == 0 and c.ready]
+        pinned = [place for place in sorted(readers, key=repr) if self._op("pin", *place)[0]]
+        self._put(node, key, tokens)
+        for place in pinned:
+            self._op("unpin", *place)
 
     @precondition(lambda self: self.evicted)
     @rule(data=st.data())
@@ -230,6 +342,56 @@ class KVStoreMachine(LockstepMachine):
     def reput_replicated(self, data: st.DataObject, tokens: Tokens) -> None:
         """Write a replicated block again: every replica must take the new contents (or, immutable, none)."""
         self._put(*data.draw(st.sampled_from(self.replicated()), label="copy"), tokens)
+
+    def replicable_puts(self) -> bool:
+        return self.offers("kv_store", "replicated_puts") and sum(self.store.model.alive) > 1
+
+    @precondition(replicable_puts)
+    @rule(data=st.data(), key=KEYS, tokens=CONTENTS)
+    def put_replicated(self, data: st.DataObject, key: str, tokens: Tokens) -> None:
+        self.revisit(data)
+        self.replicated_put(data, self.node(data), key, tokens)
+
+    def replicated_put(
+        self,
+        data: st.DataObject,
+        node: int,
+        key: Key,
+        tokens: Tokens,
+        factors: st.SearchStrategy[int] | None = None,
+        faults: bool = True,
+    ) -> None:
+        """A put with a replication factor: mostly 2 up to the live nodes (else 1, or one no store can place);
+        then, as often as not, factor - 1 of the nodes holding the block fail, and it is read where it is left."""
+        live = sum(self.store.model.alive)
+        factors = factors if factors is not None else st.sampled_from([*range(2, live + 1)] * 3 + [1, 0, live + 1])
+        factor = data.draw(factors, label="replicas")
+        holders = self._put_replicated(node, key, tokens, factor)
+        if factor < 2 or not holders or not faults or not self.offers("kv_store", "node_faults"):
+            return
+        if data.draw(st.booleans(), label="fail factor - 1 of the holders"):
+            for fault in data.draw(st.permutations(holders), label="holders, first to fail")[: factor - 1]:
+                self._fail(fault)
+            survivors = [n for n, _ in model.lookup(self.store.model, key)]
+            if survivors and self._complete_if_pending(survivors[0], key):
+                self._get(survivors[0], key)
+                event("a replicated block was read after factor - 1 of its holders failed")
+
+    def _put_replicated(self, node: int, key: Key, tokens: Tokens, factor: int) -> list[int]:
+        """The nodes holding the block when the put wrote it (none when it was refused or left as it was)."""
+        wrote: list[bool] = []
+
+        def durable(before: StoreState, after: StoreState, _: object) -> None:
+            if self.conventions.store.reput == "refresh" or all(k != key for _, k in before.contents):
+                self.written[key] = tokens
+                self.check(placement.invariant_replicas_on_distinct_nodes, after, key, tokens, factor)
+                wrote.append(True)
+
+        ok, holders = self._op("put_replicated", node, key, tokens, factor, judge=durable)
+        self.refused = self.refused if ok else (self._put_replicated, (node, key, tokens, factor))
+        if ok and wrote and factor > 1:
+            event("a replicated put placed its copies")
+        return list(holders) if ok and wrote else []
 
     @rule(data=st.data(), key=KEYS)
     def get(self, data: st.DataObject, key: str) -> None:
@@ -512,7 +674,9 @@ class KVStoreMachine(LockstepMachine):
         self.check(model.invariant_directory_exact, state)
         self.check(model.invariant_tier_capacity, state)
         self.check(model.invariant_replicas_agree, state)
-        self.check(model.invariant_store_refines_spec, state, model.abstract(self.store.model))
+        expected = model.abstract(self.store.model)
+        self.check(placement.invariant_tier_eviction_order, state, expected, against_model=True)
+        self.check(model.invariant_store_refines_spec, state, expected)
 
 
 TestKVStore = conformance_test(KVStoreMachine)

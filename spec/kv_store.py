@@ -75,10 +75,11 @@ Conventions (``spec.conventions.StoreConventions``; the reference's in brackets)
 * ``remove(node, key)`` drops the node's copy; a forced remove of a copy in
   use is out of contract (``InvalidOperation``): the caller holds the pin.
 
-Theory of operation, in four modules: this one (the protocol and the rules
+Theory of operation, in five modules: this one (the protocol and the rules
 over snapshots); ``spec.kv_store_state`` (``StoreState``, what a snapshot
 shows, and the model's value); ``spec.kv_store_model`` (every operation as a
-pure transition); ``spec.kv_store_policies`` (LRU, LFU and ARC orders).  An
+pure transition); ``spec.kv_store_policies`` (LRU, LFU and ARC orders);
+``spec.kv_store_placement`` (replicated puts, each tier's order).  An
 implementation's ``snapshot()`` returns a ``StoreState``: per node and tier
 the keys in eviction order, each copy's contents, pins, pending stores and
 leases, each ARC tier's lists, and the directory its lookups answer from.  A
@@ -232,6 +233,7 @@ KV_STORE = component_kind(
         "leases": ("advance",),  # advance(seconds): model time, for read leases
         "settle": ("settle",),  # settle() -> copies dropped: background work done, before comparing
         "remove": ("remove",),  # remove(node, key): drop a copy on request
+        "replicated_puts": ("put_replicated",),  # put_replicated(node, key, tokens, factor): spec.kv_store_placement
     },
 )
 

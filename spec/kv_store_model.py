@@ -189,9 +189,7 @@ def put(store: Store, node: int, key: Key, tokens: Sequence[int]) -> Store:
     copies = {place: attrs.evolve(c, tokens=contents) if place[1] == key else c for place, c in store.copies.items()}
     store = attrs.evolve(store, copies=copies)
     if node not in replicas:
-        clock = store.clock + 1
-        fresh = Copy(tier=0, tokens=contents, uses=1, last_use=clock, ready=store.conventions.stores == "immediate")
-        return place(attrs.evolve(store, clock=clock), node, key, leased_from_the_start(store, fresh))
+        return copy_in(store, node, key, contents, ready=store.conventions.stores == "immediate")
     moving = replicas[node].tier != 0 and store.conventions.promotion and not in_use(store, replicas[node])
     store = use(store, node, key)
     return place(without(store, node, key), node, key, store.copies[(node, key)]) if moving else store
@@ -242,9 +240,14 @@ def replicate(store: Store, key: Key, source: int, target: int) -> Store:
         raise InvalidOperation(f"block {key!r} on node {source} is still being stored")
     if (target, key) in store.copies:
         raise InvalidOperation(f"node {target} already holds block {key!r}")
+    return copy_in(store, target, key, copy.tokens)
+
+
+def copy_in(store: Store, node: int, key: Key, tokens: Tokens, ready: bool = True) -> Store:
+    """A fresh copy of ``key`` (written or transferred, not yet used again: one use) in ``node``'s first tier."""
     clock = store.clock + 1
-    fresh = Copy(tier=0, tokens=copy.tokens, uses=1, last_use=clock)
-    return place(attrs.evolve(store, clock=clock), target, key, leased_from_the_start(store, fresh))
+    fresh = Copy(tier=0, tokens=tokens, uses=1, last_use=clock, ready=ready)
+    return place(attrs.evolve(store, clock=clock), node, key, leased_from_the_start(store, fresh))
 
 
 def leased_from_the_start(store: Store, copy: Copy) -> Copy:

@@ -9,12 +9,13 @@ invariant that catches it; ``properties/meta/test_zoo.py`` runs each.
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from kvspec.impl.broken import caught_by, member
 from kvspec.impl.kv_store import Block, KVStore, Node
 from kvspec.spec import invariants
 from kvspec.spec import kv_store as store_spec
+from kvspec.spec import kv_store_placement as placement_spec
 from kvspec.spec.conventions import Conventions, StoreConventions
 from kvspec.spec.errors import OutOfBlocks
 from kvspec.spec.implementation import Implementation
@@ -190,6 +191,95 @@ class ArcForgetsGhosts(KVStore):
         pass
 
 
+class ReplicaTwiceOnTheWriter(KVStore):
+    """The replica targets are counted from the writer itself (an off-by-one in the ring), so the writer is
+    picked a second time and a factor-r put lands on r - 1 distinct nodes: two of its replicas share one
+    node, and one fault takes both.  Mooncake's master places a put's replicas by its allocation strategy
+    (``AllocationStrategy::Allocate`` over the mounted segments, ``replica_num`` of them): one that does not
+    exclude the segments an object already uses puts two replicas in one segment."""
+
+    def _replica_targets(self, ring: list[int], factor: int) -> list[int]:
+        return ring[: factor - 1]
+
+
+class LastTierDrainedInArrivalOrder(KVStore):
+    """The background evictor drains the last tier as a queue, the copies that arrived there first going
+    first, whatever the tier's policy says -- as an offloading backend whose disk tier is an insertion-ordered
+    dict popped from the front, a hit read in place there never moved to its end (LMCache's local disk
+    backend and vLLM's CPU offloading keep their LRU in an ``OrderedDict`` moved on every touch; forgetting
+    the move on one path makes it this queue)."""
+
+    def _move(self, node: Node, key: Hashable, tier: int) -> None:
+        super()._move(node, key, tier)
+        self._arrived(node).pop(key, None)
+        if tier == len(self.capacities) - 1:
+            self._arrived(node)[key] = None
+
+    def _insert(self, index: int, node: Node, key: Hashable, block: Block) -> None:
+        super()._insert(index, node, key, block)
+        if block.tier == len(self.capacities) - 1:
+            self._arrived(node)[key] = None
+
+    draining = False
+
+    def _arrived(self, node: Node) -> dict[Hashable, None]:
+        queues: dict[int, dict[Hashable, None]] = self.__dict__.setdefault("queues", {})
+        return queues.setdefault(id(node), {})
+
+    def _victim(self, node: Node, tier: int, target: float | None = None) -> Hashable | None:
+        if tier != len(self.capacities) - 1 or not self.draining:
+            return super()._victim(node, tier, target)
+        queue = [key for key in self._arrived(node) if key in node.tiers[tier]]
+        return next((key for key in queue if self._free(node.blocks[key])), None)
+
+    def _drain(self, index: int, node: Node, tier: int, dropped: list[tuple[int, Hashable]]) -> None:
+        self.draining = True
+        try:
+            super()._drain(index, node, tier, dropped)
+        finally:
+            self.draining = False
+
+
+class BatchEvictionTakesCopiesInUse(KVStore):
+    """The background evictor's batch walks each tier in policy order and takes the first copies it meets,
+    forgetting to skip those in use: vLLM's CPU offloading manager (``LRUOffloadingManager.prepare_store``)
+    evicts a batch in one pass over its blocks, skipping those with ``ref_cnt > 0`` (being loaded) -- this
+    pass does not skip them."""
+
+    draining = False
+
+    def _free(self, block: Block) -> bool:
+        return self.draining or super()._free(block)
+
+    def _drain(self, index: int, node: Node, tier: int, dropped: list[tuple[int, Hashable]]) -> None:
+        self.draining = True
+        try:
+            super()._drain(index, node, tier, dropped)
+        finally:
+            self.draining = False
+
+
+class FullTierPutTakesACopyInUse(KVStore):
+    """A put that finds no copy it may evict in its way does not refuse: it takes the policy's first copy all
+    the same, pinned or not, so that the write path never fails -- the refusal the spec expects becomes a
+    transfer's memory overwritten."""
+
+    putting = False
+
+    def put(self, node: int, key: Hashable, tokens: Sequence[int]) -> None:
+        self.putting = True
+        try:
+            super().put(node, key, tokens)
+        finally:
+            self.putting = False
+
+    def _victim(self, node: Node, tier: int, target: float | None = None) -> Hashable | None:
+        chosen = super()._victim(node, tier, target)
+        if chosen is None and self.putting:
+            return next(iter(self._order(node, tier, target)), None)
+        return chosen
+
+
 def _with_store(name: str, store: type[KVStore], conventions: StoreConventions | None = None) -> Implementation:
     """A member whose store is ``store``; built, when ``conventions`` are given, under them whatever the member
     is declared to do (a safety bug shows whatever is declared)."""
@@ -280,3 +370,27 @@ def evicts_on_the_put_path() -> Implementation:
     return member(
         "broken: declared background eviction, evicts on the put path", Conventions(store=BACKGROUND), kv_store=KVStore
     )
+
+
+@caught_by(placement_spec.invariant_replicas_on_distinct_nodes, "tiered KV store (node faults)")
+def replica_twice_on_the_writer() -> Implementation:
+    return _with_store("broken: a replicated put places two replicas on the writer", ReplicaTwiceOnTheWriter)
+
+
+@caught_by(placement_spec.invariant_tier_eviction_order, "tiered KV store (node faults)")
+def last_tier_drained_in_arrival_order() -> Implementation:
+    return _with_store(
+        "broken: the background evictor drains the last tier in arrival order",
+        LastTierDrainedInArrivalOrder,
+        BACKGROUND,
+    )
+
+
+@caught_by(store_spec.invariant_pinned_never_evicted, "tiered KV store (node faults)")
+def batch_eviction_takes_copies_in_use() -> Implementation:
+    return _with_store("broken: batched eviction takes copies in use", BatchEvictionTakesCopiesInUse, BACKGROUND)
+
+
+@caught_by(store_spec.invariant_pinned_never_evicted, "tiered KV store (node faults)")
+def full_tier_put_takes_a_copy_in_use() -> Implementation:
+    return _with_store("broken: a put into a tier of copies in use takes one", FullTierPutTakesACopyInUse)
