@@ -226,9 +226,9 @@ class PrefixCacheMachine(LockstepMachine):
         self.maybe_retry(data, "then a refused write again")
 
     def decode(self, seq: int, data: st.DataObject, label: str) -> None:
-        """A decode step of ``seq``: as often as not a speculative one, if it is running and rollback is offered."""
+        """A decode step of ``seq``: two in three speculative, if it is running and rollback is offered."""
         running = seq in self.manager.model.manager.tables and self.offers("prefix_caching_manager", "rollback")
-        if running and data.draw(st.booleans(), label="speculative"):
+        if running and data.draw(st.sampled_from([True, True, False]), label="speculative"):
             self.decode_speculatively(seq, data)
         else:
             self.write("append", seq, data.draw(self.new_tokens, label=label))
