@@ -51,11 +51,10 @@ class BlockPoolMachine(LockstepMachine):
         self._allocate(n)
 
     def revisit(self, data: st.DataObject) -> None:
-        """Drawn inside the common rules, so that swarm testing never turns it off: until an example has had
-        them, allocations at the brim; as often as not, the allocation refused last again, as it was; as
-        often, an evicted hash cached again."""
-        if not self.probed_the_brim:
-            self.at_the_brim(data)
+        """Drawn inside the common rules, so that swarm testing never turns it off: as often as not,
+        allocations at the brim (until an example has had them), the allocation refused last again, as it
+        was, and an evicted hash cached again."""
+        self.maybe_at_the_brim(data)
         if self.refused and data.draw(st.booleans(), label="retry the refused allocation"):
             event("revisit: retried a rejected call")
             self._allocate(self.refused)
@@ -71,6 +70,11 @@ class BlockPoolMachine(LockstepMachine):
         """The cached blocks held once: a request that finishes leaves them free and cached."""
         return sorted(b for b, count in self.held.items() if count == 1 and self.pool.model.block_hashes[b] is not None)
 
+    def maybe_at_the_brim(self, data: st.DataObject) -> None:
+        """As often as not (a draw the shrinker turns off), until an example has had them."""
+        if not self.probed_the_brim and data.draw(st.booleans(), label="allocate at the brim"):
+            self.at_the_brim(data)
+
     def at_the_brim(self, data: st.DataObject) -> None:
         """With cached blocks free (a request finishes first if none is), one block more than the queue holds,
         which must be refused, then one more than its uncached blocks, which must not (where a pool that
@@ -81,10 +85,7 @@ class BlockPoolMachine(LockstepMachine):
             self.fill_and_cache(data.draw(HASHES, label="prompt block"))
         if not self.cached_free() and self.finishing():
             self._release([data.draw(st.sampled_from(self.finishing()), label="finished block")], note="finished")
-        self.probe_the_brim()
-
-    def probe_the_brim(self) -> None:
-        if self.probed_the_brim or not self.cached_free():
+        if not self.cached_free():
             return
         self.probed_the_brim = True
         self._allocate(len(self.pool.model.lru) + 1, waits=False)
@@ -130,11 +131,14 @@ class BlockPoolMachine(LockstepMachine):
     @precondition(lambda self: self.held)
     @rule(data=st.data())
     def release_held(self, data: st.DataObject) -> None:
+        self.maybe_at_the_brim(data)
         blocks = data.draw(st.permutations(sorted(self.held.elements())), label="order")
-        self._release(blocks[: data.draw(st.integers(1, len(blocks)), label="count")])
+        if blocks:
+            self._release(blocks[: data.draw(st.integers(1, len(blocks)), label="count")])
 
     @rule(data=st.data())
     def release_any(self, data: st.DataObject) -> None:
+        self.maybe_at_the_brim(data)
         self._release([self.some_block(data)])
 
     @precondition(lambda self: self.held)
@@ -147,7 +151,6 @@ class BlockPoolMachine(LockstepMachine):
         if self.pool("release", blocks, note=note) is not None:
             self.held.subtract(blocks)
             self.held = +self.held
-            self.probe_the_brim()  # a request finished: its cached blocks may be free now
             if self.refused:
                 event("revisit: retried a rejected call")
                 self._allocate(self.refused)
