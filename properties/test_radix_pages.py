@@ -94,8 +94,8 @@ class RadixPagesMachine(LockstepMachine):
 
         The incidents ride on the step, which runs in nearly every example (swarm testing turns off a rule
         of their own in many)."""
-        if not self.probed_the_brim:
-            self.at_the_brim(data)
+        if not self.probed_the_brim and data.draw(st.integers(0, 3), label="admit at the brim") > 0:
+            self.at_the_brim(data)  # three times in four (zero, the shrinker's choice, is no) until it has run
         for _ in range(count):
             while self.queue:
                 rid, tokens, left = self.queue[0]
@@ -120,7 +120,7 @@ class RadixPagesMachine(LockstepMachine):
                     self.preempt(rid, data.draw(st.booleans(), label="cache what it computed"), why="by the scheduler")
 
     def at_the_brim(self, data: st.DataObject) -> None:
-        """At an example's first step, with unlocked pages in the tree (a document served and cached first if
+        """Once an example, with unlocked pages in the tree (a document served and cached first if
         there are none): a prompt the tree does not hold, one page longer than the free and evictable pages,
         which must wait, then one exactly as long, which must be admitted by evicting (where a manager that
         counts free pages alone refuses falsely); each admitted leaves at once, cached."""
