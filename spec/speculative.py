@@ -20,7 +20,9 @@ appended):
   partially filled last block that is **shared or registered** first copies
   it (one block; the writer drops its reference, and a registered block left
   with no holder sits in the free queue, cached).  Without a rollback no
-  partial block is ever registered, so the rule is layer 2's as it was.
+  partial block is ever registered, so the rule is layer 2's as it was.  An
+  engine that instead drops an unshared block's hash and writes in place is
+  safe, but not the reference: its cache forgets a block the model keeps.
 * Under deferred commit (``kvspec.spec.prefix_cache``) a filled block that
   was not committed yet is pending; a rollback into it or past it drops it
   from the pending list: the forward that computed it verified other tokens,
