@@ -145,7 +145,8 @@ class KVStoreMachine(LockstepMachine):
         self.evicted.update(
             (place, expected_before.contents[place]) for place in chosen if place in expected_before.contents
         )
-        self.check(model.invariant_demotion_keeps_the_block, before, after, chosen, against_model=True)
+        if before == expected_before:  # which copies had to go is the model's to say only while the two agree
+            self.check(model.invariant_demotion_keeps_the_block, before, after, chosen, against_model=True)
         self._note_arrivals()
         return True, answer.actual
 
