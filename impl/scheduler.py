@@ -13,6 +13,7 @@ must take the victim out of.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import cast
 
 import attrs
 
@@ -47,7 +48,9 @@ class Scheduler:
             raise InvalidOperation(f"GPU blocks of {gpu.block_size} tokens, CPU blocks of {cpu.block_size}")
         check_config(config)
         self._gpu, self._cpu, self._config = gpu, cpu, config
-        self._cache = gpu if isinstance(gpu, PrefixCachingManager) else None
+        # a manager that probes its cache caches prefixes, whichever optional operations (fork, swap) it lacks:
+        # the protocol's isinstance would ask for those too
+        self._cache = cast(PrefixCachingManager, gpu) if hasattr(gpu, "cached_prefix") else None
         self._groups: dict[RequestId, Entry] = {}
         self._arrived: list[RequestId] = []
         self._arrived_set: set[RequestId] = set()

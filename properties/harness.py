@@ -116,13 +116,15 @@ def violation_class(rule: Invariant, operation: str, variant: str) -> type[Invar
     return _VIOLATION_CLASSES[key]
 
 
+SEQUENCE_VALUE = re.compile(r"\((?:[^()]|\(\.\.\.\))*,(?:[^()]|\(\.\.\.\))*\)|\[[^\[\]]*\]")  # a tuple, a list
 NAMED_BY_NUMBER = "block|blocks|page|pages|slot|seq|sequence|request|node|group|sample|key"
 
 
 def variant_of(error: BaseException) -> str:
     """The kind of an out-of-contract call: the spec's reason with its values blurred by sign and shape
     (``cannot allocate -1 blocks`` and ``cannot allocate -5 blocks`` are one kind, ``... 0 blocks`` another;
-    a name -- ``block 0``, ``sequence 3`` -- is blurred whatever its value: block 0 is no edge case)."""
+    a name -- ``block 0``, ``sequence 3`` -- is blurred whatever its value: block 0 is no edge case; a key
+    or a list is one value, whatever it holds)."""
 
     def blur(number: re.Match[str]) -> str:
         value = float(number.group("value"))
@@ -135,7 +137,11 @@ def variant_of(error: BaseException) -> str:
 
     text = re.sub(r"'[^']*'|\"[^\"]*\"", "'s'", str(error))
     text = re.sub(rf"(?P<name>\b(?:{NAMED_BY_NUMBER}) )?(?P<value>-?\d+(?:\.\d+)?)", blur, text)
-    return re.sub(r"(?:n, )+n", "n, ...", text)
+    # a key or a list of blocks is one value, whatever it holds: (n, 0, n) and (0,) name one kind of call
+    collapsed = None
+    while collapsed != text:
+        collapsed, text = text, SEQUENCE_VALUE.sub(lambda m: m.group()[0] + "..." + m.group()[-1], text)
+    return text
 
 
 @attrs.frozen

@@ -274,7 +274,10 @@ class SchedulerMachine(SchedulerMachineBase):
         n=st.integers(0, 2),
     )
     def arrive_malformed(self, request_id: int, prompt: list[int], max_new_tokens: int, n: int) -> None:
-        """Duplicate ids, empty prompts, zero outputs or samples: all out of contract."""
+        """Duplicate ids, empty prompts, zero outputs or samples: all out of contract.  Two samples only where
+        the manager forks: one that cannot is never sent a group (its scheduler samples one at a time)."""
+        manager = "prefix_caching_manager" if self.caching else "block_manager"
+        n = n if self.offers(manager, "fork") else min(n, 1)
         self.arrive(Request(request_id, tuple(prompt), max_new_tokens, n))
 
     def retry_refused(self) -> None:

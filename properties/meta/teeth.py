@@ -3,6 +3,9 @@
 A member of ``impl/broken/`` declares ``@caught_by(invariant, machine)``; the
 proof runs that machine against it checking that invariant *alone*, so the
 invariant is shown able to fail by itself, whatever else the member breaks.
+A safety member's proof is its verdict instead (``assert_filed_under_safety``):
+every rule checked, its invariant must come out violated in the safety tier,
+which shows both that the invariant fails and that nothing washes it out.
 Meta-tests are derandomized in every profile and stop at the first failing
 example (``DETECTION``): which invariant fires is then a fixed fact of the
 suite, and the minutes Hypothesis would spend shrinking are saved.
@@ -13,13 +16,17 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+import attrs
 from hypothesis import Phase
 from hypothesis import settings as Settings
 
+from kvspec import conformance
 from kvspec.impl import broken
 from kvspec.impl.broken import Catch
+from kvspec.properties import suite
 from kvspec.properties.harness import LockstepMachine, replay, run_machine
 from kvspec.properties.loading import load_implementation
+from kvspec.spec.conventions import Conventions
 from kvspec.spec.invariants import Invariant
 
 DETECTION = (Phase.explicit, Phase.generate)
@@ -53,3 +60,27 @@ def assert_caught(machine: type[LockstepMachine], factory: str, rule: Invariant)
     replayed = replay(machine, implementation, finding.blob, only=frozenset({rule}))
     assert replayed is not None, f"{factory}: the example of {rule.name} did not replay"
     assert (replayed.invariant, replayed.steps) == (rule, finding.steps), f"{factory}: replayed {replayed}"
+
+
+def assert_filed_under_safety(factory: str, catch: Catch, conventions: Conventions | None = None) -> None:
+    """The verdict of ``catch.machine`` on ``factory`` -- as shipped, or declaring ``conventions`` -- files
+    ``catch.invariant`` under safety (a finding of its own, or at the step of a lower-tier one); as shipped,
+    the example it prints replays to the same finding.  Its rounds stop at their first failing example, and
+    the run as soon as the rule is filed."""
+    implementation = load_implementation(factory)
+    if conventions is not None:
+        implementation = attrs.evolve(implementation, conventions=conventions)
+    wanted = catch.invariant.name
+
+    def filed(run: conformance.Run) -> list[conformance.Violation]:
+        return [v for v, _ in run.found.values() if v.invariant == wanted and v.tier == "safety"]
+
+    run = conformance.Run(implementation, factory, answered=lambda run: bool(filed(run)))
+    base = Settings(Settings(), derandomize=True, database=None, phases=DETECTION)
+    run.machines.append(conformance.run_one(run, catch.machine, suite.machine_titled(catch.machine), base))
+    declared = "as shipped" if conventions is None else "declaring other conventions"
+    found = filed(run)
+    assert found, f"{factory} ({declared}): {wanted} is not filed under safety\n{conformance.verdict_of(run, 'ci')}"
+    if conventions is None:
+        _, replayed = conformance.replay(found[0].replay)
+        assert replayed is not None and replayed.invariant is catch.invariant, f"{factory}: replayed {replayed}"

@@ -20,6 +20,7 @@ from hypothesis import settings as Settings
 from kvspec import conformance
 from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.block_pool import BlockPool
+from kvspec.impl.broken import block_pool as broken_pools
 from kvspec.properties import suite
 from kvspec.properties.loading import AdapterError, UsageError, load_implementation
 from kvspec.spec.components import Offer
@@ -127,14 +128,8 @@ def test_operations_left_out_are_not_offered_never_violated() -> None:
     assert rows["invariant_read_back_exact"] == conformance.HELD
 
 
-class AcceptsDoubleFree(BlockPool):
+class AcceptsDoubleFree(broken_pools.AcceptsDoubleFree):
     """Trusts its caller as vLLM does: a double free drives the count below zero."""
-
-    def release(self, blocks: Sequence[int]) -> None:
-        for block in blocks:
-            self._refcounts[block] -= 1
-            if self._refcounts[block] == 0:
-                self._free.push(block, self._uses[block])
 
     def evict(self, n: int) -> list[int]:
         return [] if n < 0 else super().evict(n)
