@@ -163,6 +163,10 @@ class KVStoreMachine(LockstepMachine):
         if after == before:
             return
         event("the store carried out a call the spec refused for want of room")
+        if operation in ("put", "put_replicated"):  # a put it carried out: what a hit must read from now on
+            key, tokens = args[1], tuple(args[2])
+            if tokens in (held for (_, k), held in after.contents.items() if k == key):
+                self.written[key] = tokens
         last = len(before.capacities) - 1
         left_the_last_tier = [
             (n, k) for n, tiers in enumerate(before.tiers) for k in tiers[last] if (n, k) not in after.contents
@@ -388,11 +392,11 @@ class KVStoreMachine(LockstepMachine):
                 self.check(placement.invariant_replicas_on_distinct_nodes, after, key, tokens, factor)
                 wrote.append(True)
 
-        ok, holders = self._op("put_replicated", node, key, tokens, factor, judge=durable)
+        ok, _ = self._op("put_replicated", node, key, tokens, factor, judge=durable)
         self.refused = self.refused if ok else (self._put_replicated, (node, key, tokens, factor))
         if ok and wrote and factor > 1:
             event("a replicated put placed its copies")
-        return list(holders) if ok and wrote else []
+        return list(placement.holders(self.store.model, key)) if ok and wrote else []  # drawn from: the model's
 
     @rule(data=st.data(), key=KEYS)
     def get(self, data: st.DataObject, key: str) -> None:
