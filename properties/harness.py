@@ -56,7 +56,7 @@ import attrs
 from hypothesis import HealthCheck, Phase, Verbosity, assume, event
 from hypothesis import settings as Settings
 from hypothesis.control import current_build_context
-from hypothesis.errors import DidNotReproduce, Flaky, Unsatisfiable
+from hypothesis.errors import DidNotReproduce, Flaky, HypothesisException, Unsatisfiable
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, run_state_machine_as_test
 
 if __name__ != "kvspec.properties.harness":  # a second copy would bind machines and file findings of its own
@@ -422,6 +422,8 @@ class LockstepMachine(RuleBasedStateMachine):
         before = snapshots()
         try:
             actual, impl_error = getattr(subject.impl, operation)(*impl_args), None
+        except HypothesisException:  # Hypothesis's own (a frozen example past its deadline): never the engine's
+            raise
         except Exception as error:  # an untyped error is a verdict too: a crash
             actual, impl_error = None, error
         self._overwrite(lent)
