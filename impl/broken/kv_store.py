@@ -194,8 +194,8 @@ class ArcForgetsGhosts(KVStore):
 class ReplicaTwiceOnTheWriter(KVStore):
     """The replica targets are counted from the writer itself (an off-by-one in the ring), so the writer is
     picked a second time and a factor-r put lands on r - 1 distinct nodes: two of its replicas share one
-    node, and one fault takes both.  Mooncake's master places a put's replicas by its allocation strategy
-    (``AllocationStrategy::Allocate`` over the mounted segments, ``replica_num`` of them): one that does not
+    node, and one fault takes both.  Mooncake's master places a put's ``replica_num`` replicas over the
+    mounted segments by its allocation strategy, the preferred segment first: a strategy that does not
     exclude the segments an object already uses puts two replicas in one segment."""
 
     def _replica_targets(self, ring: list[int], factor: int) -> list[int]:
