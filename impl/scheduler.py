@@ -17,9 +17,10 @@ from typing import cast
 
 import attrs
 
-from kvspec.spec.admission import admissible, prefill_demand
+from kvspec.spec.admission import BUSY, admissible, prefill_demand
 from kvspec.spec.block_manager import BlockManager
 from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.kv_transfer import OUTCOMES, Outcome, Transfer
 from kvspec.spec.preemption import append_demand
 from kvspec.spec.prefix_cache import PrefixCachingManager, max_hit_blocks
 from kvspec.spec.scheduler import (
@@ -55,6 +56,7 @@ class Scheduler:
         self._arrived: list[RequestId] = []
         self._arrived_set: set[RequestId] = set()
         self._finished: list[RequestId] = []
+        self._transfers: dict[RequestId, Transfer] = {}  # in flight, in the order they started
         self._steps = 0
 
     @property
@@ -69,7 +71,7 @@ class Scheduler:
         request = check_request(request, self._arrived_set)
         self._check_fits_alone(request)
         self._groups[request.request_id] = Entry.of(
-            Group(request=request, arrival=len(self._arrived), ready=request.ready)
+            Group(request=request, arrival=len(self._arrived), ready=request.ready, remote=request.remote_prompt)
         )
         self._arrived.append(request.request_id)
         self._arrived_set.add(request.request_id)
@@ -78,13 +80,16 @@ class Scheduler:
         group = self._groups.get(request_id) if isinstance(request_id, int) else None
         if group is None:
             raise InvalidOperation(f"request {request_id!r} is not unfinished (never arrived, finished or aborted)")
-        self._release(group)
+        if group.location != "loading":  # a landing zone stays with its load until the load ends
+            self._release(group)
         del self._groups[request_id]
 
     def mark_ready(self, request_id: RequestId) -> None:
         group = self._groups.get(request_id) if isinstance(request_id, int) else None
         if group is None:
             raise InvalidOperation(f"request {request_id!r} is not unfinished (never arrived, finished or aborted)")
+        if group.location == "loading":
+            raise InvalidOperation(f"request {request_id!r} waits on its KV load: the load's end makes it ready")
         if group.ready:
             raise InvalidOperation(f"request {request_id!r} is ready already")
         group.ready = True
@@ -107,7 +112,33 @@ class Scheduler:
             gpu=self._gpu.snapshot(),
             cpu=self._cpu.snapshot(),
             queue=tuple(group.request.request_id for group in self._admission_candidates()),
+            transfers=tuple(self._transfers.values()),
         )
+
+    def finish_transfer(self, request_id: RequestId, outcome: Outcome) -> None:
+        """The worker reports the end of a request's transfer: a load landed, failed or moved nothing; a send ended."""
+        if outcome not in OUTCOMES:
+            raise InvalidOperation(f"a transfer ends {' or '.join(OUTCOMES)}, not {outcome!r}")
+        transfer = self._transfers.get(request_id) if isinstance(request_id, int) else None
+        if transfer is None:
+            raise InvalidOperation(f"request {request_id!r} has no KV transfer in flight")
+        del self._transfers[request_id]
+        owner = self._groups.get(request_id)
+        if transfer.direction == "send" or owner is None:
+            for seq in transfer.seqs:
+                self._gpu.free(seq)
+        else:
+            self._land(owner, outcome)
+
+    def _land(self, group: Entry, outcome: Outcome) -> None:
+        """A load's end: the group runs over its landed KV, or computes its prompt here, or is aborted."""
+        if outcome != "done":
+            self._release(group)
+            if outcome == "failed" and self._config.load_failure == "abort":
+                del self._groups[group.request.request_id]
+                return
+        group.location = "running" if outcome == "done" else "waiting"
+        group.ready, group.remote = True, False
 
     # -- the decode phase ---------------------------------------------------------------
 
@@ -130,7 +161,7 @@ class Scheduler:
                     break
             else:
                 scheduled[group.request.request_id] = (group, demand)
-                report.granted[group.request.request_id] = group.request.n
+                report.granted[group.request.request_id] = len(group.seqs)
                 granted += demand
         return [group for group, _ in scheduled.values()]
 
@@ -146,7 +177,7 @@ class Scheduler:
     def _decode_demand(self, group: Entry) -> int:
         tables = [self._gpu.block_table(seq) for seq in group.seqs]
         refcount = {t[-1]: self._gpu.pool.refcount(t[-1]) for t in tables if t}
-        lengths = [len(group.request.prompt) + group.generated] * len(group.seqs)
+        lengths = [len(group.request.prompt) + group.generated] * len(tables)
         return append_demand(tables, lengths, refcount, self._gpu.block_size)
 
     def _preempt(self, victim: Entry, report: Tally) -> Preemption:
@@ -168,16 +199,28 @@ class Scheduler:
         self._release(victim)
 
     def _decode(self, group: Entry, report: Tally) -> None:
-        rid = group.request.request_id
-        for sample, seq in enumerate(group.seqs):
-            self._gpu.append(seq, [sampled_token(rid, sample, group.generated)])
-        report.decode_tokens += group.request.n
+        rid, decoding = group.request.request_id, group.seqs
+        for seq in decoding:
+            self._gpu.append(seq, [sampled_token(rid, seq[1], group.generated)])
+        report.decode_tokens += len(decoding)
         group.generated += 1
-        if group.generated == group.request.max_new_tokens:
-            self._release(group)
+        finishing = [seq for seq in decoding if group.request.output_length(seq[1]) == group.generated]
+        if group.seqs or not group.request.sends_kv:
+            for seq in finishing:
+                self._finish_sample(seq)
+        else:  # the last samples' blocks go to the send of the request's KV
+            self._start_send(rid, finishing)
+        if not group.seqs:
             del self._groups[rid]
             self._finished.append(rid)
             report.finished.append(rid)
+
+    def _start_send(self, rid: RequestId, seqs: list[tuple[RequestId, int]]) -> None:
+        self._transfers[rid] = Transfer(rid, "send", tuple(seqs))
+
+    def _finish_sample(self, seq: tuple[RequestId, int]) -> None:
+        """A sample sampled its stop token: its sequence goes, the prompt blocks it shares keep their holders."""
+        self._gpu.free(seq)
 
     # -- the admission phase ------------------------------------------------------------
 
@@ -202,7 +245,7 @@ class Scheduler:
         return group.ready
 
     def _fits(self, need: int) -> bool:
-        idle = not any(True for _ in self._located("running"))
+        idle = not any(group.location in BUSY for group in self._groups.values())
         return admissible(need, self._gpu.pool.num_free(), self._config.watermark, idle)
 
     def _probe(self, group: Entry) -> Probe:
@@ -216,28 +259,44 @@ class Scheduler:
             else ()
         )
         revived = sum(1 for block in hits if self._gpu.pool.refcount(block) == 0)
-        return Probe(prefill_demand(request, group.generated, size, len(hits), revived), len(hits) * size)
+        need = prefill_demand(request, group.generated, size, len(hits), revived, samples=len(group.seqs))
+        return Probe(need, len(hits) * size)
+
+    def _restored(self, group: Entry) -> tuple[tuple[RequestId, int], ...]:
+        """The sequences a prefill writes: the unfinished samples' (a finished sample is never resumed)."""
+        return group.seqs
 
     def _admit(self, group: Entry, probe: Probe, report: Tally) -> None:
         request = group.request
+        report.admitted.append(request.request_id)
         if group.location == "swapped":
             report.swapped_in_blocks += probe.need
             self._cpu.move_sequences(self._gpu, group.seqs)
+            group.location = "running"
+            return
+        restored = self._restored(group)
+        first, *others = restored
+        self._gpu.add_sequence(first, request.prompt)
+        for seq in others:
+            self._gpu.fork(first, seq)
+        report.cached_tokens[request.request_id] = probe.cached_tokens
+        if group.remote:
+            self._start_load(group, report)
+            return
+        for seq in restored:
+            self._gpu.append(seq, group.frozen().tokens(seq[1])[len(request.prompt) :])
+        prefilled = len(request.prompt) - probe.cached_tokens + len(group.seqs) * group.generated
+        if group.preemptions:
+            report.recomputed_tokens += prefilled
         else:
-            first, *others = group.seqs
-            self._gpu.add_sequence(first, request.prompt)
-            for seq in others:
-                self._gpu.fork(first, seq)
-            for sample, seq in enumerate(group.seqs):
-                self._gpu.append(seq, group.frozen().tokens(sample)[len(request.prompt) :])
-            report.cached_tokens[request.request_id] = probe.cached_tokens
-            prefilled = len(request.prompt) - probe.cached_tokens + request.n * group.generated
-            if group.preemptions:
-                report.recomputed_tokens += prefilled
-            else:
-                report.prefill_tokens += prefilled
+            report.prefill_tokens += prefilled
         group.location = "running"
-        report.admitted.append(request.request_id)
+
+    def _start_load(self, group: Entry, report: Tally) -> None:
+        """The prompt's blocks, just allocated, are the landing zone of its KV: the group waits, not ready."""
+        group.location, group.ready = "loading", False
+        self._transfers[group.request.request_id] = Transfer(group.request.request_id, "load", group.seqs)
+        report.loading.append(group.request.request_id)
 
     # -- bookkeeping ---------------------------------------------------------------------
 
@@ -248,7 +307,7 @@ class Scheduler:
         return (g for g in self._groups.values() if g.location == location)
 
     def _release(self, group: Entry) -> None:
-        manager = {"running": self._gpu, "swapped": self._cpu}.get(group.location)
+        manager = {"loading": self._gpu, "running": self._gpu, "swapped": self._cpu}.get(group.location)
         if manager is not None:
             for seq in group.seqs:
                 manager.free(seq)
@@ -264,16 +323,24 @@ class Entry:
     generated: int
     preemptions: int
     ready: bool
-    seqs: tuple[tuple[RequestId, int], ...]
+    remote: bool
 
     @classmethod
     def of(cls, group: Group) -> Entry:
         return cls(
-            group.request, group.arrival, group.location, group.generated, group.preemptions, group.ready, group.seqs
+            group.request, group.arrival, group.location, group.generated, group.preemptions, group.ready, group.remote
         )
 
+    @property
+    def seqs(self) -> tuple[tuple[RequestId, int], ...]:
+        """The unfinished samples' sequences: a sample is finished once it generated its output length."""
+        request, rid = self.request, self.request.request_id
+        return tuple((rid, s) for s in range(request.n) if request.output_length(s) > self.generated)
+
     def frozen(self) -> Group:
-        return Group(self.request, self.arrival, self.location, self.generated, self.preemptions, self.ready)
+        return Group(
+            self.request, self.arrival, self.location, self.generated, self.preemptions, self.ready, self.remote
+        )
 
 
 @attrs.frozen
@@ -291,6 +358,7 @@ class Tally:
     preempted: list[tuple[RequestId, Preemption]] = attrs.Factory(list)
     granted: dict[RequestId, int] = attrs.Factory(dict)
     admitted: list[RequestId] = attrs.Factory(list)
+    loading: list[RequestId] = attrs.Factory(list)
     cached_tokens: dict[RequestId, int] = attrs.Factory(dict)
     finished: list[RequestId] = attrs.Factory(list)
     decode_tokens: int = 0
@@ -304,6 +372,7 @@ class Tally:
             preempted=tuple(self.preempted),
             granted=tuple(self.granted.items()),
             admitted=tuple(self.admitted),
+            loading=tuple(self.loading),
             cached_tokens=tuple(self.cached_tokens.items()),
             finished=tuple(self.finished),
             decode_tokens=self.decode_tokens,

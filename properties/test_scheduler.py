@@ -36,12 +36,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvspec.properties.harness import LockstepMachine, conformance_test
-from kvspec.spec import admission, block_manager, block_pool, preemption, prefix_cache
+from kvspec.spec import admission, block_manager, block_pool, kv_transfer, preemption, prefix_cache, sample_groups
 from kvspec.spec import scheduler as model
 from kvspec.spec.errors import RequestTooLarge
 from kvspec.spec.invariants import invariant_result_matches_spec
+from kvspec.spec.kv_transfer import OUTCOMES
 from kvspec.spec.prefix_cache import max_hit_blocks
 from kvspec.spec.scheduler import (
+    LoadFailure,
     Preemption,
     QueuePolicy,
     Request,
@@ -101,6 +103,7 @@ def watch_plans(manager: Any, plans: list[tuple[Any, int]]) -> bool:
 
 
 GPU_BLOCKS, WATERMARKS = st.integers(3, 8), st.integers(0, 2)
+FAILURES: st.SearchStrategy[LoadFailure] = st.sampled_from(["recompute", "abort"])  # what a failed load does
 
 
 class SchedulerMachineBase(LockstepMachine):
@@ -111,6 +114,8 @@ class SchedulerMachineBase(LockstepMachine):
         "scheduler",
         "preemption",
         "admission",
+        "sample_groups",
+        "kv_transfer",
         "block_manager",
         "block_pool",
         "invariants",
@@ -123,13 +128,21 @@ class SchedulerMachineBase(LockstepMachine):
     batches_not_ready: ClassVar[bool] = False  # arrivals come, as often as not, in batches not ready
     priorities: ClassVar[st.SearchStrategy[int]] = st.just(0)
     caching: ClassVar[bool] = False  # both devices' managers cache prefixes
+    transfers: ClassVar[bool] = False  # requests load their prompts' KV from elsewhere, or send theirs on finish
+    finish_apart: ClassVar[bool] = False  # a group's samples may stop at lengths of their own
 
     @initialize(cpu_blocks=CPU_BLOCKS, block_size=BLOCK_SIZES, gpu_blocks=GPU_BLOCKS, watermark=WATERMARKS)
     def start(
-        self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int, preemption: Preemption | None = None
+        self,
+        gpu_blocks: int,
+        cpu_blocks: int,
+        block_size: int,
+        watermark: int,
+        preemption: Preemption | None = None,
+        load_failure: LoadFailure = "recompute",
     ) -> None:
         preemption = preemption or self.preemption
-        self.config = SchedulerConfig(preemption=preemption, watermark=watermark, policy=self.policy)
+        self.config = SchedulerConfig(preemption, watermark, self.policy, load_failure)
         self.record(f"scheduler(gpu_blocks={gpu_blocks}, cpu_blocks={cpu_blocks}, B={block_size}, {self.config})")
         scheduler = self.implementation.scheduler(
             self.device(gpu_blocks, block_size), self.device(cpu_blocks, block_size), self.config
@@ -141,6 +154,7 @@ class SchedulerMachineBase(LockstepMachine):
         self.longest = 0  # the largest max_new_tokens accepted so far: M of the deadline
         self.preemptions: Counter[Preemption] = Counter()
         self.bounded = self.policy == "fcfs"  # the deadline holds under fcfs while every request arrives ready
+        self.in_flight: dict[int, tuple[str, frozenset[int]]] = {}  # transfers: direction, blocks when they began
 
     def device(self, capacity: int, block_size: int) -> Any:
         """One device's block manager, as the scheduler under test gets it."""
@@ -162,25 +176,49 @@ class SchedulerMachineBase(LockstepMachine):
         priority = data.draw(self.priorities, label="priority") if priority is None else priority
         readiness = self.readiness if ready is None else st.just(ready)
         readiness = readiness if self.offers("scheduler", "not_ready") else st.just(True)
+        ready = data.draw(readiness, label="ready")
+        apart = n > 1 and self.finish_apart and data.draw(st.booleans(), label="samples finish apart")
+        stops = (
+            data.draw(st.lists(st.integers(1, max_new_tokens), min_size=n, max_size=n), label="stops") if apart else []
+        )
+        remote = sends = False
+        if self.transfers and self.offers("scheduler", "kv_transfer"):
+            remote = data.draw(st.booleans(), label="prompt computed elsewhere")
+            sends = data.draw(st.booleans(), label="sends its KV on finish")
         self.next_id += 1
-        return Request(self.next_id, prompt, max_new_tokens, n, priority, data.draw(readiness, label="ready"))
+        return Request(
+            self.next_id,
+            prompt,
+            max_new_tokens,
+            n,
+            priority,
+            ready,
+            stops=tuple(stops),
+            remote_prompt=remote,
+            sends_kv=sends,
+        )
 
     def accepted(self, request: Request, state: SchedulerState) -> None:
         self.arrivals[request.request_id] = (state.steps, len(state.groups))
         self.longest = max(self.longest, request.max_new_tokens)
-        self.bounded = self.bounded and request.ready
+        self.bounded = self.bounded and request.ready and not (request.remote_prompt or request.sends_kv)
         event("arrival accepted" if request.ready else "arrival accepted, not ready")
 
     def stepped(self, before: SchedulerState, report: StepReport) -> None:
         after = self.scheduler.impl.snapshot()
         self.check_state(after)
-        if self.policy == "fcfs":
+        if self.policy == "fcfs" and not before.transfers:  # a transfer holds blocks the oldest may need
             self.check(preemption.invariant_oldest_never_preempted, before, report)
+        loads = {rid for rid, (direction, _) in self.in_flight.items() if direction == "load"}
+        self.check(kv_transfer.invariant_no_decode_before_load_lands, loads, after, report)
+        if report.loading:
+            event("a load started: its blocks the landing zone")
         self.check(admission.invariant_admission_in_arrival_order, after, report)
         self.check(admission.invariant_watermark_kept, after, report)
         self.check(admission.invariant_admission_stops_only_when_short, after, report)
         self.check(preemption.invariant_preempted_keeps_no_grant, report)
         self.check(preemption.invariant_victims_rank_below_survivors, before, report)
+        self.partly_finished(before, after, report)
         ranks = {g.request.request_id: rank(g, self.policy) for g in before.groups}
         for victim, how in report.preempted:
             event(f"preempted by {how}")
@@ -188,8 +226,28 @@ class SchedulerMachineBase(LockstepMachine):
                 event("victim arrived before a request that kept its grant")
         self.preemptions.update(how for _, how in report.preempted)
 
+    def partly_finished(self, before: SchedulerState, after: SchedulerState, report: StepReport) -> None:
+        """Events of groups whose samples finish apart: decoding with some finished, preempted, resumed."""
+        partly = {g.request.request_id: g for g in after.groups if len(g.live) < g.request.n}
+        if partly:
+            event("a group decodes with some samples finished")
+        for victim, how in report.preempted:
+            if victim in partly:
+                event(f"partly finished group preempted by {how}")
+        was = {g.request.request_id: g.location for g in before.groups}
+        for rid in report.admitted:
+            if rid in partly:
+                event(f"partly finished group resumed from {was.get(rid, 'waiting')}")
+
     def check_state(self, state: SchedulerState) -> None:
         self.check_group(preemption.STATE, state)
+        self.check(sample_groups.invariant_finished_sample_holds_nothing, state)
+        for transfer in state.transfers:  # the blocks each transfer began on, as the implementation placed them
+            if transfer.request_id not in self.in_flight:
+                blocks = frozenset(b for seq in transfer.seqs for b in state.gpu.tables.get(seq, ()))
+                self.in_flight[transfer.request_id] = (transfer.direction, blocks)
+                event(f"{transfer.direction} in flight")
+        self.check(kv_transfer.invariant_transfer_blocks_held, {r: b for r, (_, b) in self.in_flight.items()}, state)
         self.check(admission.invariant_not_ready_never_admitted, state)
         if self.bounded:
             deadlines = {rid: preemption.deadline(after, k, self.longest) for rid, (after, k) in self.arrivals.items()}
@@ -203,15 +261,30 @@ class SchedulerMachineBase(LockstepMachine):
         super().teardown()
 
 
-class SchedulerMachine(SchedulerMachineBase):
-    """Lockstep with the model, preempting by recompute."""
+class LockstepSchedulerMachine(SchedulerMachineBase):
+    """Lockstep with the model."""
 
-    @initialize(cpu_blocks=CPU_BLOCKS, block_size=BLOCK_SIZES, gpu_blocks=GPU_BLOCKS, watermark=WATERMARKS)
+    @initialize(
+        cpu_blocks=CPU_BLOCKS,
+        block_size=BLOCK_SIZES,
+        gpu_blocks=GPU_BLOCKS,
+        watermark=WATERMARKS,
+        load_failure=FAILURES,
+        data=st.data(),
+    )
     def start(
-        self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int, preemption: Preemption | None = None
+        self,
+        gpu_blocks: int,
+        cpu_blocks: int,
+        block_size: int,
+        watermark: int,
+        preemption: Preemption | None = None,
+        load_failure: LoadFailure = "recompute",
+        data: st.DataObject | None = None,
     ) -> None:
-        super().start(gpu_blocks, cpu_blocks, block_size, watermark, preemption)
-        self.scheduler.spec = model
+        """``data``: open the example with transfers (the recompute machine's opening; others open their own)."""
+        super().start(gpu_blocks, cpu_blocks, block_size, watermark, preemption, load_failure)
+        self.scheduler.spec = (model, kv_transfer)
         self.scheduler.model = model.new_model(self.memory(gpu_blocks), self.memory(cpu_blocks), self.config)
         self.requests: list[Request] = []  # every request accepted, in arrival order
         self.rejected: tuple[str, Any] | None = None  # the last call the spec refused
@@ -219,6 +292,31 @@ class SchedulerMachine(SchedulerMachineBase):
         self.plans: list[tuple[Any, int]] = []  # (sequence, cached tokens) the GPU manager planned in this step
         self.plans_watched = self.caching and watch_plans(self.scheduler.impl.gpu, self.plans)
         self.stopped_at: tuple[int, CachedBlocks] | None = None  # the request admission stopped at, its hits then
+        if data is not None and self.transfers and self.offers("scheduler", "kv_transfer"):
+            self.open_with_transfers(data)
+
+    def open_with_transfers(self, data: st.DataObject) -> None:
+        """The example opens with three short requests whose prompts were computed elsewhere: the first lands and
+        sends its KV on finish, the second's load fails or moves nothing, the third is aborted while its load is
+        in flight and its load ends after.  Each load ends the step after it starts; the opening ends when all
+        three are over.  Then the machine's rules take over."""
+        fates = [("done", False), (data.draw(st.sampled_from(["failed", "empty"]), label="fate"), False)]
+        fates.append((data.draw(st.sampled_from(OUTCOMES), label="outcome after abort"), True))
+        ids = []
+        for sends in (True, False, False):
+            request = self.draw_request(data, ready=True)
+            prompt, max_new_tokens = request.prompt[: self.sizes[2]], min(request.max_new_tokens, 2)
+            short = attrs.evolve(request, prompt=prompt, max_new_tokens=max_new_tokens, n=1, stops=())
+            self.arrive(attrs.evolve(short, remote_prompt=True, sends_kv=sends))
+            ids.append(request.request_id)
+        fate = dict(zip(ids, fates, strict=True))
+        self.step(1)
+        for _ in range(12):  # a bounded count: a call the implementation fails leaves the model as it was
+            if not (self.scheduler.model.transfers or self.scheduler.model.groups):
+                break
+            for transfer in self.scheduler.model.transfers:
+                self.end_transfer(transfer.request_id, *fate.get(transfer.request_id, ("done", False)))
+            self.step(1)
 
     def memory(self, capacity: int) -> model.Memory:
         pool = block_pool.new_pool(capacity, "lru", self.conventions.pool)
@@ -304,7 +402,11 @@ class SchedulerMachine(SchedulerMachineBase):
             if full:
                 event("replayed a prompt after eviction" if cached < full else "replayed a prompt still cached")
         self.next_id += 1
-        self.arrive(Request(self.next_id, earlier.prompt, earlier.max_new_tokens, earlier.n, earlier.priority))
+        self.arrive(
+            Request(
+                self.next_id, earlier.prompt, earlier.max_new_tokens, earlier.n, earlier.priority, stops=earlier.stops
+            )
+        )
 
     @rule(count=st.integers(1, 6))
     def step_rule(self, count: int) -> None:
@@ -362,6 +464,21 @@ class SchedulerMachine(SchedulerMachineBase):
         if self.call("abort", request_id):
             del self.arrivals[request_id]
 
+    def end_transfer(self, rid: int, outcome: str, abort_first: bool) -> None:
+        """``rid``'s transfer ends ``outcome``; its request, if loading and ``abort_first``, aborted first."""
+        loading = any(g.request.request_id == rid and g.location == "loading" for g in self.scheduler.model.groups)
+        if abort_first and loading and self.call("abort", rid):
+            del self.arrivals[rid]
+            event("aborted while its load was in flight")
+        if self.scheduler("finish_transfer", rid, outcome) is None:
+            return
+        direction, _ = self.in_flight.pop(rid)
+        owner = any(g.request.request_id == rid for g in self.scheduler.model.groups) or direction == "send"
+        event(f"{direction} ended {outcome}" + ("" if owner else " after its request was aborted"))
+        if direction == "load" and outcome != "done":
+            event("a load failed or moved nothing")
+        self.check(kv_transfer.invariant_failed_load_recomputes, rid, outcome, self.scheduler.impl.snapshot())
+
     def unfinished(self, index: int, ready: bool | None = None) -> int:
         """The index-th unfinished request (of the given readiness), or the index itself as an id."""
         ids = [g.request.request_id for g in self.scheduler.model.groups if ready is None or g.ready == ready]
@@ -374,12 +491,76 @@ class SchedulerMachine(SchedulerMachineBase):
         self.check(invariant_scheduler_refines_spec, state, model.abstract(self.scheduler.model))
 
 
+class SchedulerMachine(LockstepSchedulerMachine):
+    """Lockstep with the model, preempting by recompute; prompts loaded from elsewhere, KV sent on finish
+    (``kvspec.spec.kv_transfer``)."""
+
+    transfers: ClassVar[bool] = True
+
+    @precondition(lambda self: self.offers("scheduler", "kv_transfer"))
+    @rule(
+        index=st.integers(0, 3),
+        outcome=st.sampled_from(["done", "done", "failed", "empty", "lost"]),
+        abort_first=st.booleans(),
+        then_steps=st.integers(0, 2),
+    )
+    def finish_transfer(self, index: int, outcome: str, abort_first: bool, then_steps: int) -> None:
+        """The worker reports the end of a transfer in flight (often of a load whose request was aborted while it
+        was in flight), then steps; a request with none in flight, or an outcome there is not, is out of contract."""
+        flying = [t.request_id for t in self.scheduler.model.transfers]
+        self.end_transfer(flying[index] if index < len(flying) else index, outcome, abort_first)
+        self.step(then_steps)
+
+
 class SwapSchedulerMachine(SchedulerMachine):
-    """Lockstep with the model, preempting by swap -- vLLM's choice for groups of several samples."""
+    """Lockstep with the model, preempting by swap -- vLLM's choice for groups of several samples -- and groups
+    whose samples finish apart given way and resumed (``kvspec.spec.sample_groups``)."""
 
     preemption: ClassVar[Preemption] = "swap"
     samples: ClassVar[st.SearchStrategy[int]] = st.sampled_from([2, 3, 1])
-    requires = {"scheduler": frozenset({"swap_preemption"}), "block_manager": frozenset({"swap"})}
+    finish_apart: ClassVar[bool] = True
+
+    @initialize(
+        cpu_blocks=CPU_BLOCKS,
+        block_size=BLOCK_SIZES,
+        gpu_blocks=st.integers(6, 8),
+        watermark=WATERMARKS,
+        load_failure=FAILURES,
+        data=st.data(),
+    )
+    def start(
+        self,
+        gpu_blocks: int,
+        cpu_blocks: int,
+        block_size: int,
+        watermark: int,
+        load_failure: LoadFailure,
+        data: st.DataObject,
+    ) -> None:
+        super().start(gpu_blocks, cpu_blocks, block_size, watermark, None, load_failure)
+        self.open_with_group_finishing_apart(data)
+
+    def open_with_group_finishing_apart(self, data: st.DataObject) -> None:
+        """The example opens with a request of two blocks' prompt, then a group of two samples of one block's prompt,
+        each as long as the GPU holds it alone, one of whose samples stops at once: as the request grows, the
+        group -- a sample finished, the latest arrival -- gives way (its unfinished sample swapped, or dropped
+        when the CPU is full), and is resumed as that sample alone.  Then the machine's rules take over."""
+        gpu_blocks, _, size = self.sizes
+        for n, prompt_blocks in ((1, 2), (2, 1)):
+            prompt = tuple(
+                data.draw(
+                    st.lists(st.integers(0, 9), min_size=prompt_blocks * size, max_size=prompt_blocks * size),
+                    label="prompt",
+                )
+            )
+            fits = [k for k in range(1, 4 * size + 1) if model.group_blocks(len(prompt), k, n, size) <= gpu_blocks]
+            stops = (fits[-1], 1) if n == 2 and len(fits) > 1 else ()
+            self.next_id += 1
+            self.arrive(Request(self.next_id, prompt, fits[-1], len(stops) or 1, stops=stops))
+        for _ in range(8 * size + 2):  # a bounded count: a step the implementation fails leaves the model as it was
+            if not self.scheduler.model.groups:
+                break
+            self.step(1)
 
 
 def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
@@ -389,7 +570,7 @@ def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
     return first, second, tuple(9 - t for t in first)
 
 
-class CachedSchedulerMachine(SchedulerMachine):
+class CachedSchedulerMachine(LockstepSchedulerMachine):
     """The engine's shape: preemption, abort and re-admission over prefix-caching managers, requests not ready.
 
     Prompts are cuts of three documents with a short tail, so admissions hit; a hit is probed again at every
@@ -398,7 +579,7 @@ class CachedSchedulerMachine(SchedulerMachine):
     by swap it resumes without a probe.  The engine may trim the cache between two attempts (``evict``).
     """
 
-    caching: ClassVar[bool] = True
+    caching: ClassVar[bool] = True  # no transfers: a prefix cache hashes a landing zone before its KV lands
     readiness: ClassVar[st.SearchStrategy[bool]] = st.sampled_from([True, True, False])
     batches_not_ready: ClassVar[bool] = True
     uses = frozenset({"block_pool", "prefix_caching_manager", "scheduler"})

@@ -8,7 +8,7 @@ runs this phase after ``kvspec.spec.preemption``'s decode phase):
   they arrived earlier -- and each is swapped in, or prefilled (prompt, fork
   into ``n`` samples, then each sample's generated tokens again if it was
   recomputed), while it fits (``admissible``): the GPU keeps ``watermark``
-  blocks free after the admission unless nothing is running.  Admission stops
+  blocks free after the admission unless nothing is running or loading.  Admission stops
   at the first ready group that does not fit and at a group preempted in this
   very step: nobody overtakes.
 * **Hits are probed at every attempt.**  A waiting request's hit length is
@@ -31,8 +31,8 @@ Invariants (tier in brackets):
   tokens the cache held for its prompt at that moment, as the spec's cache does.
 * ``invariant_watermark_kept`` [safety] -- after an admission onto a busy GPU,
   ``watermark`` blocks are still free.
-* ``invariant_not_ready_never_admitted`` [safety] -- a request not ready never
-  holds blocks.
+* ``invariant_not_ready_never_admitted`` [safety] -- a request not ready holds no
+  blocks but a landing zone of its KV load (``kvspec.spec.kv_transfer``).
 * ``invariant_admission_stops_only_when_short`` [convention] -- admission stops
   only at a ready request that does not fit, or one preempted in this step.
 """
@@ -43,7 +43,7 @@ from itertools import pairwise
 
 import attrs
 
-from kvspec.spec import prefix_cache
+from kvspec.spec import kv_transfer, prefix_cache
 from kvspec.spec.invariants import invariant
 from kvspec.spec.prefix_cache import CachingManager, max_hit_blocks
 from kvspec.spec.scheduler import (
@@ -63,6 +63,8 @@ from kvspec.spec.scheduler import (
     tables_of,
 )
 
+BUSY = ("running", "loading")  # a loading group runs once its KV lands: the watermark is its room too
+
 
 def admission_phase(model: Model, report: StepReport) -> tuple[Model, StepReport]:
     """Resume or prefill the groups not running, in rank order, while each fits; stop at the first that does
@@ -73,7 +75,7 @@ def admission_phase(model: Model, report: StepReport) -> tuple[Model, StepReport
             continue
         if group.request.request_id in just_preempted:
             break
-        gpu_idle = not any(g.location == "running" for g in model.groups)
+        gpu_idle = not any(g.location in BUSY for g in model.groups)
         need = resume_demand(model, group)
         if not admissible(need, free_blocks(model.gpu), model.config.watermark, gpu_idle):
             break
@@ -82,26 +84,27 @@ def admission_phase(model: Model, report: StepReport) -> tuple[Model, StepReport
 
 
 def admit(model: Model, group: Group, need: int, report: StepReport) -> tuple[Model, StepReport]:
-    """Swap a swapped group in; prefill a waiting one: its prompt, forked into its samples, then each sample's
-    sampled tokens again."""
+    """Swap a swapped group in; prefill a waiting one: its prompt, forked into its unfinished samples, then each
+    one's sampled tokens again -- or, its prompt computed elsewhere, start loading it there."""
     rid, request = group.request.request_id, group.request
     gpu, cpu = model.gpu, model.cpu
     if group.location == "swapped":
         cpu, gpu, _ = memory(cpu).move_sequences(cpu, gpu, group.seqs)
         report = attrs.evolve(report, swapped_in_blocks=report.swapped_in_blocks + need)
         return relocate(attrs.evolve(model, gpu=gpu, cpu=cpu), group, "swap_in"), admitted(report, rid)
-    gpu, plan = memory(gpu).add_sequence(gpu, group.seqs[0], request.prompt)
-    for seq in group.seqs[1:]:
-        gpu = memory(gpu).fork(gpu, group.seqs[0], seq)
-    for sample, seq in enumerate(group.seqs):
-        gpu, _ = memory(gpu).append(gpu, seq, group.tokens(sample)[len(request.prompt) :])
-    computed = len(request.prompt) - plan.cached_tokens + request.n * group.generated
+    first, *others = group.seqs  # the unfinished samples: a finished one is never resumed
+    gpu, plan = memory(gpu).add_sequence(gpu, first, request.prompt)
+    for seq in others:
+        gpu = memory(gpu).fork(gpu, first, seq)
+    report = attrs.evolve(report, cached_tokens=report.cached_tokens + ((rid, plan.cached_tokens),))
+    if group.remote:  # the prompt's blocks are the landing zone of its KV, computed elsewhere
+        model, report = kv_transfer.start_load(attrs.evolve(model, gpu=gpu), group, report)
+        return model, admitted(report, rid)
+    for seq in group.seqs:
+        gpu, _ = memory(gpu).append(gpu, seq, group.tokens(seq[1])[len(request.prompt) :])
+    computed = len(request.prompt) - plan.cached_tokens + len(group.seqs) * group.generated
     field = "recomputed_tokens" if group.preemptions else "prefill_tokens"
-    report = attrs.evolve(
-        report,
-        cached_tokens=report.cached_tokens + ((rid, plan.cached_tokens),),
-        **{field: getattr(report, field) + computed},
-    )
+    report = attrs.evolve(report, **{field: getattr(report, field) + computed})
     return relocate(attrs.evolve(model, gpu=gpu), group, "prefill"), admitted(report, rid)
 
 
@@ -114,7 +117,8 @@ def resume_demand(model: Model, group: Group) -> int:
         return len({b for s in group.seqs for b in tables_of(model.cpu).tables[s]})
     hits = prefix_hits(model.gpu, group.request.prompt)
     revived = sum(1 for b in hits if tables_of(model.gpu).pool.refcounts[b] == 0)
-    return prefill_demand(group.request, group.generated, tables_of(model.gpu).block_size, len(hits), revived)
+    block_size = tables_of(model.gpu).block_size
+    return prefill_demand(group.request, group.generated, block_size, len(hits), revived, samples=len(group.live))
 
 
 def prefix_hits(gpu: Memory, prompt: tuple[int, ...]) -> tuple[int, ...]:
@@ -124,14 +128,18 @@ def prefix_hits(gpu: Memory, prompt: tuple[int, ...]) -> tuple[int, ...]:
     return prefix_cache.cached_prefix(gpu, prompt)[: max_hit_blocks(len(prompt), gpu.manager.block_size)]
 
 
-def prefill_demand(request: Request, generated: int, block_size: int, hits: int, revived: int) -> int:
-    """Blocks a prefill admission takes: its blocks less its ``hits``, plus the ``revived`` hits.
+def prefill_demand(
+    request: Request, generated: int, block_size: int, hits: int, revived: int, samples: int | None = None
+) -> int:
+    """Blocks a prefill admission of ``samples`` samples (all ``n`` unless some finished) takes: its blocks less
+    its ``hits``, plus the ``revived`` hits.
 
     A hit is counted once: it lowers the demand.  A hit whose block sits in the
     free queue is also counted there as free, and admission takes it out: so it
     is demand again, or the supply would count it a second time.
     """
-    return group_blocks(len(request.prompt), generated, request.n, block_size) - hits + revived
+    samples = request.n if samples is None else samples
+    return group_blocks(len(request.prompt), generated, samples, block_size) - hits + revived
 
 
 def admissible(need: int, free: int, watermark: int, gpu_idle: bool) -> bool:
@@ -197,7 +205,7 @@ def invariant_hits_probed_at_admission(expected: StepReport, actual: StepReport)
 )
 def invariant_watermark_kept(after: SchedulerState, report: StepReport) -> str | None:
     admitted = set(report.admitted)
-    busy_before = any(g.location == "running" and g.request.request_id not in admitted for g in after.groups)
+    busy_before = any(g.location in BUSY and g.request.request_id not in admitted for g in after.groups)
     free = after.gpu.pool.num_free
     if admitted and (busy_before or len(admitted) > 1) and free < after.config.watermark:
         return (
@@ -213,7 +221,7 @@ def invariant_watermark_kept(after: SchedulerState, report: StepReport) -> str |
 )
 def invariant_not_ready_never_admitted(state: SchedulerState) -> str | None:
     for group in state.groups:
-        if not group.ready and group.location != "waiting":
+        if not group.ready and group.location not in ("waiting", "loading"):
             return f"request {group.request.request_id!r} is {group.location} before it is ready"
     return None
 
@@ -224,7 +232,7 @@ def upper_demand(state: SchedulerState, group: Group) -> int:
     if device == "cpu":
         return len({b for seq in group.seqs for b in state.cpu.tables.get(seq, ())})
     request = group.request
-    return group_blocks(len(request.prompt), group.generated, request.n, state.gpu.block_size)
+    return group_blocks(len(request.prompt), group.generated, len(group.live), state.gpu.block_size)
 
 
 @invariant(
@@ -239,7 +247,7 @@ def invariant_admission_stops_only_when_short(after: SchedulerState, report: Ste
         return None
     first = queue[0]
     need, free = upper_demand(after, first), after.gpu.pool.num_free
-    idle = not any(g.location == "running" for g in after.groups)
+    idle = not any(g.location in BUSY for g in after.groups)
     if admissible(need, free, after.config.watermark, idle):
         return f"request {first.request.request_id!r} needs at most {need} blocks, {free} are free, yet it waits"
     return None

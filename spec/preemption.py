@@ -17,8 +17,9 @@ Rules (vLLM §4.5, lecture §6; the records, the location table and the model ar
 * **Grants go with the group.**  The victim gives its grant back: its KV is
   being freed or moved, and a grant it keeps runs the model over blocks that
   are no longer its own.
-* Then every granted group decodes, and one that reaches ``max_new_tokens``
-  finishes and frees its blocks.
+* Then every granted group decodes, one token per unfinished sample; a sample
+  that reaches its output length frees its sequence (the prompt blocks it
+  shares keep their other holders), and the group finishes with its last.
 
 Deadlock freedom (lecture exercise 12).  Preemption takes the latest-arrived
 running group, so the earliest-arrived unfinished request, once running, is
@@ -33,8 +34,9 @@ waits on the world: neither is bounded by the scheduler.)
 
 Invariants (tier in brackets):
 
-* ``invariant_no_leak_across_preemption`` [safety] -- only running or swapped groups
-  hold blocks; with no request unfinished both pools are entirely free.
+* ``invariant_no_leak_across_preemption`` [safety] -- only running, swapped or
+  loading groups and transfers in flight hold blocks; with none of them both
+  pools are entirely free.
 * ``invariant_group_on_one_device`` [safety] -- a group's sequences are all on its
   device and none elsewhere.
 * ``invariant_swap_restores_contents`` [safety] -- every held sequence reads back,
@@ -57,7 +59,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from kvspec.spec import block_manager
+from kvspec.spec import block_manager, kv_transfer
 from kvspec.spec.block_manager import holders, read_through_table
 from kvspec.spec.invariants import Group as InvariantGroup
 from kvspec.spec.invariants import invariant
@@ -112,7 +114,7 @@ def grant_decodes(model: Model, report: StepReport) -> tuple[Model, list[Group],
                 break
         else:
             granted[group.request.request_id] = (group, demand)
-    grants = tuple((rid, group.request.n) for rid, (group, _) in granted.items())
+    grants = tuple((rid, len(group.live)) for rid, (group, _) in granted.items())
     return model, [group for group, _ in granted.values()], attrs.evolve(report, granted=grants)
 
 
@@ -127,16 +129,22 @@ def preempt(model: Model, victim: Group) -> tuple[Model, Preemption]:
 
 
 def decode(model: Model, group: Group, report: StepReport) -> tuple[Model, StepReport]:
-    """One token per sample; a group that reaches ``max_new_tokens`` finishes and frees its blocks."""
+    """One token per unfinished sample; a sample that reaches its output length frees its sequence, and the
+    group finishes with its last sample."""
     gpu, rid = model.gpu, group.request.request_id
-    for sample, seq in enumerate(group.seqs):
-        gpu, _ = memory(gpu).append(gpu, seq, (sampled_token(rid, sample, group.generated),))
+    for seq in group.seqs:
+        gpu, _ = memory(gpu).append(gpu, seq, (sampled_token(rid, seq[1], group.generated),))
     grown = attrs.evolve(group, generated=group.generated + 1)
+    finishing = [seq for seq in group.seqs if seq not in grown.seqs]
+    sends = not grown.live and group.request.sends_kv  # the last samples' blocks go to the send of the KV
+    for seq in [] if sends else finishing:
+        gpu = memory(gpu).free(gpu, seq)
     model = replace(attrs.evolve(model, gpu=gpu), grown)
-    report = attrs.evolve(report, decode_tokens=report.decode_tokens + group.request.n)
-    if grown.generated < grown.request.max_new_tokens:
+    report = attrs.evolve(report, decode_tokens=report.decode_tokens + len(group.seqs))
+    if grown.live:
         return model, report
-    return relocate(release(model, grown), grown, "finish"), attrs.evolve(report, finished=report.finished + (rid,))
+    model = kv_transfer.start_send(model, rid, finishing) if sends else model
+    return relocate(model, grown, "finish"), attrs.evolve(report, finished=report.finished + (rid,))
 
 
 def decode_demand(gpu: Memory, group: Group) -> int:
@@ -172,11 +180,12 @@ def deadline(arrived_after_step: int, unfinished_at_arrival: int, longest_output
 )
 def invariant_no_leak_across_preemption(state: SchedulerState) -> str | None:
     holding = {g.request.request_id for g in state.groups if g.location != "waiting"}
+    holding |= {t.request_id for t in state.transfers}  # a transfer in flight holds its blocks
     for name, manager in devices(state).items():
         stray = sorted({repr(s) for s in manager.tables if not (isinstance(s, tuple) and s[0] in holding)})
         if stray:
             return f"{name} holds sequences {stray} of requests that are waiting, finished or gone"
-        if not state.groups and manager.pool.num_free != manager.pool.capacity:
+        if not state.groups and not state.transfers and manager.pool.num_free != manager.pool.capacity:
             return (
                 f"nothing is unfinished, yet {name} has {manager.pool.capacity - manager.pool.num_free} blocks in use"
             )
@@ -207,10 +216,10 @@ def invariant_group_on_one_device(state: SchedulerState) -> str | None:
 def invariant_swap_restores_contents(state: SchedulerState) -> str | None:
     for group in state.groups:
         manager = devices(state).get(DEVICE_OF.get(group.location, ""))
-        for sample, seq in enumerate(group.seqs):
+        for seq in group.seqs:
             if manager is None or seq not in manager.tables:
                 continue
-            tokens = group.tokens(sample)
+            tokens = group.tokens(seq[1])
             got = read_through_table(manager.contents, manager.tables[seq], len(tokens), manager.block_size)
             if got != tokens:
                 return f"{group.location} sequence {seq!r} reads back {got}, expected {tokens}"
@@ -228,11 +237,12 @@ def invariant_recompute_restores_tokens(state: SchedulerState) -> str | None:
         manager = devices(state).get(DEVICE_OF.get(group.location, ""))
         if manager is None:
             continue
-        for sample, seq in enumerate(group.seqs):
-            if seq in manager.tokens and manager.tokens[seq] != group.tokens(sample):
+        for seq in group.seqs:
+            if seq in manager.tokens and manager.tokens[seq] != group.tokens(seq[1]):
                 return (
-                    f"sequence {seq!r} holds {manager.tokens[seq]}, its prompt and samples are {group.tokens(sample)}"
+                    f"sequence {seq!r} holds {manager.tokens[seq]}, its prompt and samples are {group.tokens(seq[1])}"
                 )
+
     return None
 
 

@@ -16,6 +16,11 @@ Rules (vLLM §4.5 and §5.2, lecture §6):
   ``group_blocks(prompt, max_new_tokens, n)``, the blocks it holds after its
   last token -- exceeds the GPU's capacity could never run even alone: it is
   refused with ``RequestTooLarge``, never left to block the queue.
+* **Samples finish apart** (``kvspec.spec.sample_groups``): sample ``s`` stops
+  after ``request.output_length(s)`` tokens (its stop token; ``max_new_tokens``
+  when ``stops`` is empty) and frees its sequence at once; the group's other
+  samples keep decoding, and a preemption moves or drops, and a resumption
+  restores, only the samples still unfinished (``Group.live``).
 * Groups are *ranked* by the queue policy (``rank``): ``fcfs`` by arrival;
   ``priority`` by the request's ``priority`` (lower first, as in vLLM), then
   by arrival.
@@ -27,8 +32,14 @@ Rules (vLLM §4.5 and §5.2, lecture §6):
 * ``mark_ready(request_id)`` -- the remote KV arrived, the grammar compiled,
   an adapter slot opened: a request that arrived not ready may be admitted.
 * ``abort(request_id)`` drops an unfinished request and frees its blocks.
+* **KV transfers** (``kvspec.spec.kv_transfer``, the optional operation
+  ``finish_transfer``): a request whose prompt was computed elsewhere is
+  admitted *loading* -- its blocks the landing zone of a load, it not ready --
+  until the load ends; a request that sends its KV on finish leaves its blocks
+  to the send.  A transfer in flight holds its blocks like any table.
 * Bad input (duplicate or unknown id, empty prompt, ``n`` or
-  ``max_new_tokens`` below 1, marking a ready request ready) raises
+  ``max_new_tokens`` below 1, ``stops`` other than ``n`` lengths in
+  1..``max_new_tokens``, marking a ready or loading request ready) raises
   ``InvalidOperation`` and changes nothing.
 
 The chapter reads top to bottom in three modules, each with its rules, its
@@ -57,7 +68,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable, Collection, Iterable, Mapping
 from types import ModuleType
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -68,26 +79,34 @@ from kvspec.spec.errors import InvalidOperation, RequestTooLarge
 from kvspec.spec.invariants import invariant, refinement
 from kvspec.spec.prefix_cache import CachingManager
 
+if TYPE_CHECKING:
+    from kvspec.spec.kv_transfer import Transfer
+
 RequestId = int
 Preemption = Literal["swap", "recompute"]
 QueuePolicy = Literal["fcfs", "priority"]
-Location = Literal["waiting", "running", "swapped"]
-Event = Literal["prefill", "swap_in", "swap_out", "recompute", "finish", "abort"]
+LoadFailure = Literal["recompute", "abort"]
+Location = Literal["waiting", "loading", "running", "swapped"]
+Event = Literal["prefill", "load", "loaded", "load_failed", "swap_in", "swap_out", "recompute", "finish", "abort"]
 VOCABULARY = 50_272  # OPT's; any positive size would do
 
 # The location-transition table: where each event takes a group (None: it leaves the queue).  The transition
 # that raises the event writes, moves or frees the group's blocks, so they are where DEVICE_OF says.
 MOVES: Mapping[tuple[Location, Event], Location | None] = {
     ("waiting", "prefill"): "running",  # admitted: its prompt, and the tokens it had sampled, written on the GPU
+    ("waiting", "load"): "loading",  # admitted: its prompt's blocks allocated as the landing zone of a load
+    ("loading", "loaded"): "running",  # its prompt's KV landed (kvspec.spec.kv_transfer)
+    ("loading", "load_failed"): "waiting",  # the load failed or moved nothing: its blocks freed, it recomputes
     ("swapped", "swap_in"): "running",  # admitted: its blocks moved back from the CPU
     ("running", "swap_out"): "swapped",  # preempted by swap: its blocks moved to the CPU
     ("running", "recompute"): "waiting",  # preempted by recompute: its blocks freed
     ("running", "finish"): None,  # its last token decoded: its blocks freed, it is finished
     ("waiting", "abort"): None,
+    ("loading", "abort"): None,  # aborted: its blocks stay with the load in flight until the load ends
     ("running", "abort"): None,  # aborted: its blocks freed
     ("swapped", "abort"): None,
 }
-DEVICE_OF: Mapping[str, str] = {"running": "gpu", "swapped": "cpu"}  # a waiting group holds no blocks
+DEVICE_OF: Mapping[str, str] = {"loading": "gpu", "running": "gpu", "swapped": "cpu"}  # waiting: no blocks
 
 
 def as_tokens(tokens: Iterable[int]) -> tuple[int, ...]:
@@ -102,6 +121,13 @@ class Request:
     n: int = 1
     priority: int = 0  # under the priority policy, lower runs first
     ready: bool = True  # False: it waits on something outside the scheduler until ``mark_ready``
+    stops: tuple[int, ...] = attrs.field(default=(), converter=as_tokens)  # each sample's output length
+    remote_prompt: bool = False  # its prompt's KV was computed elsewhere: admission loads it (kv_transfer)
+    sends_kv: bool = False  # its KV is sent elsewhere when it finishes: its blocks wait for the send (kv_transfer)
+
+    def output_length(self, sample: int) -> int:
+        """The tokens sample ``sample`` generates: up to its stop token, else ``max_new_tokens``."""
+        return self.stops[sample] if self.stops else self.max_new_tokens
 
 
 @attrs.frozen
@@ -109,6 +135,7 @@ class SchedulerConfig:
     preemption: Preemption = "recompute"
     watermark: int = 0  # GPU blocks kept free after an admission, unless the GPU is idle
     policy: QueuePolicy = "fcfs"
+    load_failure: LoadFailure = "recompute"  # a failed load: compute the prompt here, or abort the request
 
 
 @attrs.frozen
@@ -121,14 +148,21 @@ class Group:
     generated: int = 0
     preemptions: int = 0
     ready: bool = True
+    remote: bool = False  # its prompt's KV is still to be loaded from elsewhere
+
+    @property
+    def live(self) -> tuple[int, ...]:
+        """The samples still decoding: a finished sample holds no blocks and is never resumed."""
+        return tuple(s for s in range(self.request.n) if self.request.output_length(s) > self.generated)
 
     @property
     def seqs(self) -> tuple[tuple[RequestId, int], ...]:
-        return tuple((self.request.request_id, s) for s in range(self.request.n))
+        """The sequences of the unfinished samples: the ones that hold blocks, move and are restored."""
+        return tuple((self.request.request_id, s) for s in self.live)
 
     def tokens(self, sample: int) -> tuple[int, ...]:
-        rid = self.request.request_id
-        return self.request.prompt + tuple(sampled_token(rid, sample, i) for i in range(self.generated))
+        rid, length = self.request.request_id, min(self.generated, self.request.output_length(sample))
+        return self.request.prompt + tuple(sampled_token(rid, sample, i) for i in range(length))
 
 
 @attrs.frozen
@@ -144,6 +178,7 @@ class SchedulerState:
     gpu: ManagerState
     cpu: ManagerState
     queue: tuple[RequestId, ...] | None = None  # the groups not running, as admission takes them (None: not told)
+    transfers: tuple[Transfer, ...] = ()  # KV transfers in flight, in the order they started
 
 
 @attrs.frozen
@@ -157,6 +192,7 @@ class StepReport:
     preempted: tuple[tuple[RequestId, Preemption], ...] = ()
     granted: tuple[tuple[RequestId, int], ...] = ()
     admitted: tuple[RequestId, ...] = ()
+    loading: tuple[RequestId, ...] = ()  # of the admitted, those whose prompt's KV is being loaded, not computed
     cached_tokens: tuple[tuple[RequestId, int], ...] = ()
     finished: tuple[RequestId, ...] = ()
     decode_tokens: int = 0
@@ -190,6 +226,7 @@ SCHEDULER = component_kind(
         "priority": (),  # config.policy == "priority": admission and preemption by priority, with grants
         "not_ready": ("mark_ready",),  # requests may arrive not ready and wait for mark_ready
         "prefix_caching": (),  # the devices' managers are prefix-caching managers, probed at admission
+        "kv_transfer": ("finish_transfer",),  # prompts loaded from elsewhere, KV sent on finish (kv_transfer)
     },
 )
 
@@ -208,6 +245,7 @@ def group_blocks(prompt_len: int, generated: int, n: int, block_size: int) -> in
 
 
 def peak_blocks(request: Request, block_size: int) -> int:
+    """Every sample at ``max_new_tokens``: a stop token comes when it comes, no engine knows it in advance."""
     return group_blocks(len(request.prompt), request.max_new_tokens, request.n, block_size)
 
 
@@ -231,13 +269,21 @@ def check_request(request: object, known: Collection[RequestId]) -> Request:
             raise InvalidOperation(f"request {request.request_id!r}: {name} must be an int >= 1, got {value!r}")
     if not isinstance(request.priority, int) or isinstance(request.priority, bool):
         raise InvalidOperation(f"request {request.request_id!r}: priority must be an int, got {request.priority!r}")
-    if not isinstance(request.ready, bool):
-        raise InvalidOperation(f"request {request.request_id!r}: ready must be a bool, got {request.ready!r}")
+    for flag in ("ready", "remote_prompt", "sends_kv"):
+        if not isinstance(getattr(request, flag), bool):
+            raise InvalidOperation(f"request {rid!r}: {flag} must be a bool, got {getattr(request, flag)!r}")
+    lengths = request.stops
+    if lengths and (
+        len(lengths) != request.n or any(type(k) is not int or not 0 < k <= request.max_new_tokens for k in lengths)
+    ):
+        raise InvalidOperation(f"request {rid!r}: stops must be n lengths in 1..max_new_tokens, got {lengths!r}")
     return request
 
 
 def check_config(config: SchedulerConfig) -> None:
     if config.preemption not in ("swap", "recompute") or config.policy not in ("fcfs", "priority"):
+        raise InvalidOperation(f"unusable scheduler config {config!r}")
+    if config.load_failure not in ("recompute", "abort"):
         raise InvalidOperation(f"unusable scheduler config {config!r}")
     if not isinstance(config.watermark, int) or config.watermark < 0:
         raise InvalidOperation(f"unusable scheduler config {config!r}")
@@ -267,6 +313,7 @@ class Model:
     arrived: tuple[RequestId, ...] = ()
     groups: tuple[Group, ...] = ()
     finished: tuple[RequestId, ...] = ()
+    transfers: tuple[Transfer, ...] = ()
 
 
 def memory(device: Memory) -> ModuleType:
@@ -295,24 +342,34 @@ def abstract(model: Model) -> SchedulerState:
     devices = {name: memory(device).abstract(device) for name, device in (("gpu", model.gpu), ("cpu", model.cpu))}
     queue = tuple(group.request.request_id for group in queued(model))
     return SchedulerState(
-        model.config, model.steps, model.arrived, model.groups, model.finished, **devices, queue=queue
+        model.config,
+        model.steps,
+        model.arrived,
+        model.groups,
+        model.finished,
+        **devices,
+        queue=queue,
+        transfers=model.transfers,
     )
 
 
 def arrive(model: Model, request: Request) -> Model:
     request = check_request(request, model.arrived)
     check_fits_alone(request, tables_of(model.gpu).pool.capacity, tables_of(model.gpu).block_size)
-    group = Group(request=request, arrival=len(model.arrived), ready=request.ready)
+    group = Group(request=request, arrival=len(model.arrived), ready=request.ready, remote=request.remote_prompt)
     return attrs.evolve(model, arrived=model.arrived + (request.request_id,), groups=model.groups + (group,))
 
 
 def abort(model: Model, request_id: RequestId) -> Model:
+    """Drop the request; a landing zone stays with its load (``kvspec.spec.kv_transfer``)."""
     group = find(model, request_id)
-    return relocate(release(model, group), group, "abort")
+    return relocate(model if group.location == "loading" else release(model, group), group, "abort")
 
 
 def mark_ready(model: Model, request_id: RequestId) -> Model:
     group = find(model, request_id)
+    if group.location == "loading":
+        raise InvalidOperation(f"request {request_id!r} waits on its KV load: the load's end makes it ready")
     if group.ready:
         raise InvalidOperation(f"request {request_id!r} is ready already")
     return replace(model, attrs.evolve(group, ready=True))
@@ -387,6 +444,7 @@ class View:
     cpu_tokens: Mapping[SeqId, tuple[int, ...]]
     gpu_blocks_in_use: int
     cpu_blocks_in_use: int
+    transfers: tuple[Transfer, ...]
 
 
 def view(state: SchedulerState) -> View:
@@ -400,6 +458,7 @@ def view(state: SchedulerState) -> View:
         cpu_tokens=dict(state.cpu.tokens),
         gpu_blocks_in_use=state.gpu.pool.capacity - state.gpu.pool.num_free,
         cpu_blocks_in_use=state.cpu.pool.capacity - state.cpu.pool.num_free,
+        transfers=state.transfers,
     )
 
 

@@ -10,10 +10,11 @@ from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.block_pool import BlockPool
 from kvspec.impl.broken import members
 from kvspec.impl.scheduler import Entry, Probe, Scheduler, Tally
-from kvspec.spec import admission, preemption
+from kvspec.spec import admission, kv_transfer, preemption, sample_groups
 from kvspec.spec import scheduler as spec
 from kvspec.spec.admission import admissible
 from kvspec.spec.invariants import invariant_failed_operation_changes_nothing, invariant_out_of_contract_call_rejected
+from kvspec.spec.kv_transfer import Outcome
 from kvspec.spec.scheduler import Request
 
 # A member: its scheduler (over the reference's pool and manager), and the rules that catch it in that machine.
@@ -265,4 +266,121 @@ reverses_passed_over = cached(
     "scheduler that puts the requests it passed over back reversed",
     ReversesPassedOver,
     admission.invariant_admission_in_arrival_order,
+)
+
+
+class ResumesFinishedSamples(Scheduler):
+    """Prefills a recomputed group as it arrived, every sample forked from its prompt: a sample that finished
+    before the preemption is resumed (its tokens rewritten, its blocks taken) and never freed again."""
+
+    def _restored(self, group: Entry) -> tuple[tuple[int, int], ...]:
+        return tuple((group.request.request_id, sample) for sample in range(group.request.n))
+
+
+resumes_finished_samples = swap(
+    "scheduler that resumes finished samples after a recompute",
+    ResumesFinishedSamples,
+    sample_groups.invariant_finished_sample_holds_nothing,
+)
+
+
+class KeepsFinishedSamples(Scheduler):
+    """Leaves a finished sample's sequence in place while its group still decodes (vLLM v0 freed finished
+    sequences of unfinished groups in ``free_finished_seq_groups``' sweep, not at the stop token)."""
+
+    def _finish_sample(self, seq: tuple[int, int]) -> None:
+        pass
+
+
+keeps_finished_samples = swap(
+    "scheduler that keeps a finished sample's blocks",
+    KeepsFinishedSamples,
+    sample_groups.invariant_finished_sample_holds_nothing,
+)
+
+
+class ReleasesSharedPrefix(Scheduler):
+    """Frees the first sample to finish as if it owned the prompt it forked to the others: every block of its
+    table goes back to the pool, the shared prompt blocks too, while the other samples still read them."""
+
+    def _finish_sample(self, seq: tuple[int, int]) -> None:
+        table = self._gpu.block_table(seq)
+        self._gpu.free(seq)
+        for block in table:
+            while self._gpu.pool.refcount(block):
+                self._gpu.pool.release([block])
+
+
+releases_shared_prefix = swap(
+    "scheduler that releases the shared prompt when a sample finishes",
+    ReleasesSharedPrefix,
+    spec.invariant_memory_never_overcommitted,
+)
+
+
+class FreesAbortedLoad(Scheduler):
+    """Frees an aborted request's blocks at once, though its KV load is still in flight: the load lands in blocks
+    another request may already hold (vLLM's class of bug "KV connector: blocks freed before async recv done";
+    its scheduler now frees an aborted ``WAITING_FOR_REMOTE_KVS`` request's blocks on ``finished_recving``)."""
+
+    def abort(self, request_id: int) -> None:
+        group = self._groups.get(request_id) if isinstance(request_id, int) else None
+        if group is not None and group.location == "loading":
+            self._release(group)
+            group.location = "waiting"
+        super().abort(request_id)
+
+
+frees_aborted_load = recompute(
+    "scheduler that frees an aborted request's landing zone under its load",
+    FreesAbortedLoad,
+    kv_transfer.invariant_transfer_blocks_held,
+)
+
+
+class FreesBeforeSendDone(Scheduler):
+    """Frees a finished request's blocks at once and reports its send as started: the connector's
+    ``request_finished`` answer (delay the free until ``finished_sending``) ignored."""
+
+    def _start_send(self, rid: int, seqs: list[tuple[int, int]]) -> None:
+        for seq in seqs:
+            self._finish_sample(seq)
+        super()._start_send(rid, seqs)
+
+
+frees_before_send_done = recompute(
+    "scheduler that frees a request's blocks while its KV is being sent",
+    FreesBeforeSendDone,
+    kv_transfer.invariant_transfer_blocks_held,
+)
+
+
+class RunsBeforeLoadLands(Scheduler):
+    """Treats a load as synchronous: the request runs in the step after its blocks were allocated, whether or not
+    its KV landed."""
+
+    def _start_load(self, group: Entry, report: Tally) -> None:
+        super()._start_load(group, report)
+        group.location, group.ready, group.remote = "running", True, False
+
+
+runs_before_load_lands = recompute(
+    "scheduler that runs a request before its KV load lands",
+    RunsBeforeLoadLands,
+    kv_transfer.invariant_no_decode_before_load_lands,
+)
+
+
+class RunsOnFailedLoad(Scheduler):
+    """Takes the end of a load for its success: a request whose load failed, or moved nothing, runs over its
+    landing zone."""
+
+    def _land(self, group: Entry, outcome: Outcome) -> None:
+        super()._land(group, "done")
+
+
+runs_on_failed_load = recompute(
+    "scheduler that runs a request whose KV load failed",
+    RunsOnFailedLoad,
+    kv_transfer.invariant_failed_load_recomputes,
 )

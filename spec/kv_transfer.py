@@ -1,0 +1,200 @@
+"""Layer 4, asynchronous KV transfers: disaggregated prefill and decode, KV connectors, offloading.
+
+Rules (the records, the location table and the model are ``kvspec.spec.scheduler``'s; the optional operation
+``finish_transfer`` of the scheduler kind, ``kv_transfer``, is this module's; vLLM v1's scheduler and its
+``KVConnectorBase_V1`` are the engine shape):
+
+* A request may arrive with ``remote_prompt``: its prompt's KV was computed
+  elsewhere (a prefill instance, an offload tier; vLLM's connector answers
+  ``get_num_new_matched_tokens`` with an asynchronous load).  Admission takes
+  it in rank order as a prefill -- the same blocks, the same watermark -- but
+  the blocks become the **landing zone** of a load: the group is *loading*
+  (vLLM's ``WAITING_FOR_REMOTE_KVS``), not ready, and neither decodes nor is
+  preempted until the load ends.  The step report lists it as admitted and
+  as ``loading``; no prompt token is computed.
+* ``finish_transfer(request_id, outcome)`` is the worker's report of a
+  transfer's end (vLLM's ``finished_recving`` / ``finished_sending``):
+
+  - a load ``"done"``: the KV landed, the group runs (vLLM's
+    ``_update_waiting_for_remote_kv``);
+  - a load ``"failed"``: its blocks are freed, and by ``config.load_failure``
+    the request computes its prompt here (back to waiting, ready) or is
+    aborted (vLLM's ``kv_load_failure_policy``);
+  - a load ``"empty"`` -- it completed with nothing to transfer (the source
+    had nothing for it): its blocks are freed and it computes its prompt here,
+    whatever the policy (nothing failed);
+  - a send, whatever its outcome: the blocks it read are freed.
+
+* **A transfer in flight is a holder.**  Aborting a loading request drops the
+  request at once, but its landing zone stays with the load until
+  ``finish_transfer`` reports the load's end (the DMA writes there until
+  then; vLLM frees a finished request's blocks on ``finished_recving``).  A
+  request that ``sends_kv`` finishes with its last samples' blocks held by the
+  send (vLLM's ``request_finished`` answering ``delay_free_blocks``).  Its
+  blocks are counted in the pool, named by the transfer's sequences in the
+  GPU's tables, never free, never another request's.
+* ``mark_ready`` refuses a loading request (its load's end readies it);
+  ``finish_transfer`` refuses a request with no transfer in flight and an
+  unknown outcome.  Both change nothing.
+* Left out: landing zones over a prefix cache (vLLM caches a landing zone's
+  blocks only once they landed; kvspec's prefix-caching managers hash a
+  prompt as they write it) -- transfers are modelled over plain managers --
+  and partial loads (some blocks landed, the rest recomputed).
+
+Theory.  A transfer owns its blocks between its start and its reported end,
+whatever becomes of the request: the scheduler's only safe answer to an abort
+or a finish under a transfer is to leave the blocks to the transfer.  The
+deadline of ``kvspec.spec.preemption`` does not hold with transfers, nor does
+``invariant_oldest_never_preempted`` while one is in flight: a transfer's end
+is the world's, and the blocks it holds may be the ones the oldest request
+needs.  A loading group counts as running for the watermark (admission's
+``BUSY``): it runs the moment its KV lands.
+
+Invariants (tier in brackets):
+
+* ``invariant_transfer_blocks_held`` [safety] -- a transfer in flight keeps its
+  sequences, and every block it started on is in use and named only by that
+  request's sequences.
+* ``invariant_no_decode_before_load_lands`` [safety] -- a request whose load is
+  in flight neither runs nor is granted tokens.
+* ``invariant_failed_load_recomputes`` [safety] -- after a load failed or moved
+  nothing, its request holds no blocks until it is admitted again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Literal
+
+import attrs
+
+from kvspec.spec.block_manager import SeqId
+from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.invariants import invariant
+from kvspec.spec.scheduler import (
+    Group,
+    Memory,
+    Model,
+    RequestId,
+    SchedulerState,
+    StepReport,
+    memory,
+    release,
+    relocate,
+)
+
+Outcome = Literal["done", "failed", "empty"]
+OUTCOMES: tuple[Outcome, ...] = ("done", "failed", "empty")
+
+
+@attrs.frozen
+class Transfer:
+    """A KV transfer in flight: a load into a request's landing zone, or a send of a finished request's KV; either
+    holds the GPU blocks of ``seqs`` until it ends."""
+
+    request_id: RequestId
+    direction: Literal["load", "send"]
+    seqs: tuple[SeqId, ...]
+
+
+def start_load(model: Model, group: Group, report: StepReport) -> tuple[Model, StepReport]:
+    """The group's prompt blocks, just written on the GPU, become a load's landing zone: it waits, not ready."""
+    rid = group.request.request_id
+    model = attrs.evolve(model, transfers=model.transfers + (Transfer(rid, "load", group.seqs),))
+    model = relocate(model, attrs.evolve(group, ready=False), "load")
+    return model, attrs.evolve(report, loading=report.loading + (rid,))
+
+
+def start_send(model: Model, rid: RequestId, seqs: Sequence[SeqId]) -> Model:
+    """A finished request's last sequences stay on the GPU for the send of its KV."""
+    return attrs.evolve(model, transfers=model.transfers + (Transfer(rid, "send", tuple(seqs)),))
+
+
+def finish_transfer(model: Model, request_id: RequestId, outcome: Outcome) -> Model:
+    """The worker reports the end of ``request_id``'s transfer in flight (see the module docstring)."""
+    if outcome not in OUTCOMES:
+        raise InvalidOperation(f"a transfer ends {' or '.join(OUTCOMES)}, not {outcome!r}")
+    transfer = next((t for t in model.transfers if t.request_id == request_id), None)
+    if transfer is None:
+        raise InvalidOperation(f"request {request_id!r} has no KV transfer in flight")
+    model = attrs.evolve(model, transfers=tuple(t for t in model.transfers if t is not transfer))
+    owner = next((g for g in model.groups if g.request.request_id == request_id), None)
+    if transfer.direction == "send" or owner is None:
+        return attrs.evolve(model, gpu=free_all(model.gpu, transfer.seqs))
+    landed = attrs.evolve(owner, ready=True, remote=False)
+    if outcome == "done":
+        return relocate(model, landed, "loaded")
+    model = release(model, owner)
+    if outcome == "failed" and model.config.load_failure == "abort":
+        return relocate(model, owner, "abort")
+    return relocate(model, landed, "load_failed")
+
+
+def free_all(device: Memory, seqs: Sequence[SeqId]) -> Memory:
+    for seq in seqs:
+        device = memory(device).free(device, seq)
+    return device
+
+
+def request_of(seq: SeqId) -> object:
+    """The request a scheduler's sequence ``(request_id, sample)`` belongs to."""
+    return seq[0] if isinstance(seq, tuple) else None
+
+
+@invariant(
+    "a transfer in flight writes (a load) or reads (a send) its blocks whatever the scheduler decided since: "
+    "a block freed or handed to another request under it is corrupted, or leaks another request's KV",
+    "safety",
+    needs=("scheduler.kv_transfer",),
+)
+def invariant_transfer_blocks_held(in_flight: Mapping[RequestId, Collection[int]], state: SchedulerState) -> str | None:
+    """``in_flight``: each transfer not yet reported ended, with the GPU blocks its sequences held when it began;
+    and each transfer the state lists holds its sequences' tables."""
+    pool, tables = state.gpu.pool, state.gpu.tables
+    for transfer in state.transfers:
+        gone = [seq for seq in transfer.seqs if seq not in tables]
+        if gone:
+            return f"request {transfer.request_id!r}'s {transfer.direction} is in flight, yet the GPU freed {gone}"
+    for rid, blocks in in_flight.items():
+        for block in sorted(blocks):
+            if pool.refcounts[block] == 0:
+                return f"block {block} of request {rid!r}'s transfer in flight is free"
+            others = sorted({repr(seq) for seq, table in tables.items() if block in table and request_of(seq) != rid})
+            if others:
+                return f"block {block} of request {rid!r}'s transfer in flight is held by {others}"
+    return None
+
+
+@invariant(
+    "a landing zone holds what was there before the KV lands: decoding over it computes from garbage",
+    "safety",
+    needs=("scheduler.kv_transfer",),
+)
+def invariant_no_decode_before_load_lands(
+    loads: Collection[RequestId], state: SchedulerState, report: StepReport
+) -> str | None:
+    """``loads``: the requests whose loads were in flight when the step began (and not reported ended)."""
+    running = sorted(
+        g.request.request_id for g in state.groups if g.location == "running" and g.request.request_id in loads
+    )
+    granted = sorted(rid for rid, _ in report.granted if rid in loads)
+    if running or granted:
+        return f"requests {running or granted} run while their KV loads are in flight"
+    return None
+
+
+@invariant(
+    "a failed or empty load left no KV in the landing zone: running over it serves garbage, so the prompt is "
+    "computed again (or the request aborted)",
+    "safety",
+    needs=("scheduler.kv_transfer",),
+)
+def invariant_failed_load_recomputes(request_id: RequestId, outcome: str, state: SchedulerState) -> str | None:
+    if outcome == "done":
+        return None
+    group = next((g for g in state.groups if g.request.request_id == request_id), None)
+    held = [seq for seq in state.gpu.tables if request_of(seq) == request_id]
+    if held or (group is not None and group.location != "waiting"):
+        where = group.location if group is not None else "gone"
+        return f"request {request_id!r}'s load ended {outcome}, yet it is {where} holding {held}"
+    return None
