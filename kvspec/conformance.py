@@ -616,7 +616,9 @@ def group_knock_ons(violations: list[Violation]) -> list[Violation]:
 
 
 def verdict_of(run: Run, profile: str) -> Verdict:
+    # a rule that failed at another finding's step is violated too, not "held"
     violated = {name for name, _, _ in run.found}
+    violated |= {line.partition(" ")[0] for v, _ in run.found.values() for line in v.consequences}
     implementation = run.implementation
     # a rule judged only through borrowed components is "not offered" by this implementation
     borrowed: dict[str, Any] = {
