@@ -17,12 +17,15 @@ Read in this order:
   spec's scheduler and its lifecycle, the rules over memory.
 * ``kvspec.spec.preemption`` -- layer 4, the decode phase: grants, swap or recompute, deadlock bound.
 * ``kvspec.spec.admission`` -- layer 4, the admission phase: cache hits, requests not ready, priorities.
+* ``kvspec.spec.sample_groups`` -- layer 4: the samples of a group finish apart; a finished one holds nothing.
+* ``kvspec.spec.kv_transfer`` -- layer 4: asynchronous KV loads and sends, whose blocks are held like any other.
 * ``kvspec.spec.scheduler_v1`` (with ``scheduler_v1_model``) -- layer 4, vLLM v1's shape: a token budget,
   chunked prefill, recompute-only preemption.
 * ``kvspec.spec.paged_attention`` -- layer 5: paged KV storage, blockwise attention, paged = contiguous logits.
 * ``kvspec.spec.contiguous`` -- layer 6: contiguous allocators (reserve-max, reserve-exact, buddy), the fragmentation ledger.
 * ``kvspec.spec.kv_store`` -- layer 7: the tiered KV store across nodes; node faults; Mooncake's pool (its
   state, model and policies in ``kv_store_state``, ``kv_store_model``, ``kv_store_policies``).
+* ``kvspec.spec.kv_store_placement`` -- layer 7: replicated puts on distinct nodes, each tier's eviction order.
 * ``kvspec.spec.tiered_swap`` -- layers 2 and 7: partial swap-in from a tier of larger blocks.
 * ``kvspec.spec.components`` and ``kvspec.spec.implementation`` -- what an implementation under test
   declares: its components, the optional operations each offers, what its adapter emulates.
