@@ -88,9 +88,12 @@ class RadixCacheMachine(LockstepMachine):
 
     @rule(key=KEYS, data=st.data())
     def match_prefix(self, key: list[int], data: st.DataObject) -> None:
-        """A match alone, as a scheduler ranking its waiting requests by prefix does."""
+        """A match alone, as a scheduler ranking its waiting requests by prefix does; then, as often as not, a
+        token evicted: the match's recency decides which leaf goes."""
         self.revisit(data)
         self.match(key)
+        if data.draw(st.booleans(), label="then evict a token"):
+            self.evict_both(1)
 
     def revisit(self, data: st.DataObject) -> None:
         """Drawn inside the common rules, so that swarm testing never turns it off: as often as not, the lock or

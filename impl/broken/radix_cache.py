@@ -18,7 +18,6 @@ from typing import Any
 
 from kvspec.impl.broken import members
 from kvspec.impl.radix_cache import Node, RadixCache
-from kvspec.spec import block_pool
 from kvspec.spec import radix_cache as spec
 from kvspec.spec.block_manager import check_tokens
 from kvspec.spec.conventions import Conventions, RadixConventions
@@ -82,8 +81,8 @@ class RadixMatchIsNotAUse(RadixCache):
         return tuple(v for node in path for v in node.values)
 
 
-radix_match_is_not_a_use = radix(
-    "radix match does not refresh LRU", RadixMatchIsNotAUse, block_pool.invariant_eviction_order
+radix_match_is_not_a_use = radix(  # its recency stamps differ at the match; its eviction order only later, if ever
+    "radix match does not refresh LRU", RadixMatchIsNotAUse, spec.invariant_radix_refines_spec
 )
 
 
