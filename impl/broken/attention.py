@@ -15,7 +15,6 @@ from kvspec.impl.attention import OnlineState, PagedLayerKV, merge_block
 from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.broken import members
 from kvspec.impl.paged_kv import PagedKVCache
-from kvspec.spec import preemption
 from kvspec.spec.block_manager import SeqId
 from kvspec.spec.paged_attention import KVShape, invariant_paged_equals_contiguous
 
@@ -96,6 +95,6 @@ swap_pairs_sorted_blocks = cache(
     SwapPairsSortedBlocks,
     also=[
         (invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute"),
-        (preemption.invariant_group_on_one_device, "scheduler: paged = contiguous logits"),
+        (invariant_paged_equals_contiguous, "scheduler: paged = contiguous logits"),
     ],
 )

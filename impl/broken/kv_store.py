@@ -202,7 +202,20 @@ class ReplicaTwiceOnTheWriter(KVStore):
         return ring[: factor - 1]
 
 
-class LastTierDrainedInArrivalOrder(KVStore):
+class Draining(KVStore):
+    """Knows when the background evictor's batch is under way (``draining``), for the members that break it."""
+
+    draining = False
+
+    def _drain(self, index: int, node: Node, tier: int, dropped: list[tuple[int, Hashable]]) -> None:
+        self.draining = True
+        try:
+            super()._drain(index, node, tier, dropped)
+        finally:
+            self.draining = False
+
+
+class LastTierDrainedInArrivalOrder(Draining):
     """The background evictor drains the last tier as a queue, the copies that arrived there first going
     first, whatever the tier's policy says -- as an offloading backend whose disk tier is an insertion-ordered
     dict popped from the front, a hit read in place there never moved to its end (LMCache's local disk
@@ -220,8 +233,6 @@ class LastTierDrainedInArrivalOrder(KVStore):
         if block.tier == len(self.capacities) - 1:
             self._arrived(node)[key] = None
 
-    draining = False
-
     def _arrived(self, node: Node) -> dict[Hashable, None]:
         queues: dict[int, dict[Hashable, None]] = self.__dict__.setdefault("queues", {})
         return queues.setdefault(id(node), {})
@@ -232,31 +243,15 @@ class LastTierDrainedInArrivalOrder(KVStore):
         queue = [key for key in self._arrived(node) if key in node.tiers[tier]]
         return next((key for key in queue if self._free(node.blocks[key])), None)
 
-    def _drain(self, index: int, node: Node, tier: int, dropped: list[tuple[int, Hashable]]) -> None:
-        self.draining = True
-        try:
-            super()._drain(index, node, tier, dropped)
-        finally:
-            self.draining = False
 
-
-class BatchEvictionTakesCopiesInUse(KVStore):
+class BatchEvictionTakesCopiesInUse(Draining):
     """The background evictor's batch walks each tier in policy order and takes the first copies it meets,
     forgetting to skip those in use: vLLM's CPU offloading manager (``LRUOffloadingManager.prepare_store``)
     evicts a batch in one pass over its blocks, skipping those with ``ref_cnt > 0`` (being loaded) -- this
     pass does not skip them."""
 
-    draining = False
-
     def _free(self, block: Block) -> bool:
         return self.draining or super()._free(block)
-
-    def _drain(self, index: int, node: Node, tier: int, dropped: list[tuple[int, Hashable]]) -> None:
-        self.draining = True
-        try:
-            super()._drain(index, node, tier, dropped)
-        finally:
-            self.draining = False
 
 
 class FullTierPutTakesACopyInUse(KVStore):
