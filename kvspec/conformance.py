@@ -616,10 +616,17 @@ def group_knock_ons(violations: list[Violation]) -> list[Violation]:
 
 
 def verdict_of(run: Run, profile: str) -> Verdict:
-    # a rule that failed at another finding's step is violated too, not "held"
-    violated = {name for name, _, _ in run.found}
-    violated |= {line.partition(" ")[0] for v, _ in run.found.values() for line in v.consequences}
     implementation = run.implementation
+    # a rule that failed at another finding's step is violated too, not "held" -- unless that step was a call
+    # the implementation declares it accepts (what such a call leads to is reported with it)
+    accepted = implementation.conventions.trusts_caller
+    violated = {name for name, _, _ in run.found}
+    violated |= {
+        line.partition(" ")[0]
+        for v, _ in run.found.values()
+        if not (accepted and v.tier == "caller contract")
+        for line in v.consequences
+    }
     # a rule judged only through borrowed components is "not offered" by this implementation
     borrowed: dict[str, Any] = {
         kind: None for kind in implementation.borrowed if kind in attrs.fields_dict(Implementation)
