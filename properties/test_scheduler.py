@@ -519,6 +519,7 @@ class SwapSchedulerMachine(SchedulerMachine):
     preemption: ClassVar[Preemption] = "swap"
     samples: ClassVar[st.SearchStrategy[int]] = st.sampled_from([2, 3, 1])
     finish_apart: ClassVar[bool] = True
+    requires = {"scheduler": frozenset({"swap_preemption"}), "block_manager": frozenset({"swap"})}
 
     @initialize(
         cpu_blocks=CPU_BLOCKS,
