@@ -545,7 +545,10 @@ class SwapSchedulerMachine(SchedulerMachine):
         """The example opens with a request of two blocks' prompt, then a group of two samples of one block's prompt,
         each as long as the GPU holds it alone, one of whose samples stops at once: as the request grows, the
         group -- a sample finished, the latest arrival -- gives way (its unfinished sample swapped, or dropped
-        when the CPU is full), and is resumed as that sample alone.  Then the machine's rules take over."""
+        when the CPU is full), and is resumed as that sample alone.  Then the machine's rules take over.  A
+        manager that cannot fork is never sent a group: its examples open with the machine's rules."""
+        if not self.offers("block_manager", "fork"):
+            return
         gpu_blocks, _, size = self.sizes
         for n, prompt_blocks in ((1, 2), (2, 1)):
             prompt = tuple(
