@@ -53,7 +53,7 @@ from types import ModuleType
 from typing import Any, ClassVar, TypeVar
 
 import attrs
-from hypothesis import HealthCheck, Phase, Verbosity, assume, event
+from hypothesis import HealthCheck, Phase, Verbosity, assume, event, reproduce_failure
 from hypothesis import settings as Settings
 from hypothesis.control import current_build_context
 from hypothesis.errors import DidNotReproduce, Flaky, HypothesisException, Unsatisfiable
@@ -349,7 +349,7 @@ class LockstepMachine(RuleBasedStateMachine):
         for rule, arguments in group.evaluations(*args):
             self.check(rule, *arguments)
 
-    def check_invariants(self, settings: Settings, output: Callable[[str], None], runtimes: Any) -> None:
+    def check_invariants(self, settings: Settings, output: Callable[[str], object], runtimes: Any) -> None:
         """Hypothesis's end of a step: the machine's invariants, then the step's finding, if any, is filed."""
         super().check_invariants(settings, output, runtimes)
         self._release_answers()
@@ -737,8 +737,8 @@ def replay(
     settings = Settings(
         conformance_settings(), database=None, print_blob=False, report_multiple_bugs=False, verbosity=Verbosity.quiet
     )
-    test = get_state_machine_test(bound, settings=settings)
-    test._hypothesis_internal_use_reproduce_failure = (version, choices.encode())
+    # Hypothesis's public replay: @reproduce_failure on the machine class, which its state-machine test honours
+    test = get_state_machine_test(reproduce_failure(version, choices.encode())(bound), settings=settings)
     try:
         test()
     except DidNotReproduce:

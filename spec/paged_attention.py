@@ -83,11 +83,14 @@ from typing import Protocol, Self, runtime_checkable
 
 import attrs
 import numpy as np
+from numpy.typing import NDArray
 
 from kvspec.spec.block_manager import BlockManager, SeqId, WritePlan
 from kvspec.spec.components import component_kind
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant
+
+Array = NDArray[np.float64]  # keys, values, queries and logits: float arrays
 
 LOGITS_TOLERANCE = 1e-12
 
@@ -119,7 +122,7 @@ class LayerKV(Protocol):
 
     @property
     def length(self) -> int: ...
-    def attend(self, queries: np.ndarray, start: int) -> np.ndarray:
+    def attend(self, queries: Array, start: int) -> Array:
         """Causal attention of ``queries`` ``[n, heads, head_dim]`` at positions ``start..start+n-1``."""
         ...
 
@@ -129,7 +132,7 @@ class KVCache(Protocol):
     """What a ragged batched forward needs of a cache: length, write, read."""
 
     def length(self, seq: SeqId) -> int: ...
-    def write(self, seq: SeqId, layer: int, keys: np.ndarray, values: np.ndarray) -> None: ...
+    def write(self, seq: SeqId, layer: int, keys: Array, values: Array) -> None: ...
     def read(self, seq: SeqId, layer: int) -> LayerKV: ...
 
 
@@ -185,7 +188,7 @@ DECODE_ATTENTION = component_kind(
 )
 
 
-def max_abs_difference(paged: Sequence[np.ndarray], contiguous: Sequence[np.ndarray]) -> float:
+def max_abs_difference(paged: Sequence[Array], contiguous: Sequence[Array]) -> float:
     """max |a - b| over a batch of logits arrays, 0.0 for an empty batch."""
     return max((float(np.max(np.abs(a - b))) for a, b in zip(paged, contiguous, strict=True) if a.size), default=0.0)
 
@@ -195,7 +198,7 @@ def max_abs_difference(paged: Sequence[np.ndarray], contiguous: Sequence[np.ndar
     "safety",
 )
 def invariant_paged_equals_contiguous(
-    batch: Sequence[Hashable], paged: Sequence[np.ndarray], contiguous: Sequence[np.ndarray]
+    batch: Sequence[Hashable], paged: Sequence[Array], contiguous: Sequence[Array]
 ) -> str | None:
     """``paged[i]`` and ``contiguous[i]`` are the logits of batch entry ``batch[i]`` in float64."""
     if len(paged) != len(contiguous) or any(a.shape != b.shape for a, b in zip(paged, contiguous, strict=False)):
