@@ -1,21 +1,22 @@
-"""What every ``kvspec repro`` command shares: seeds, spreads over them, and its verdict table.
+"""What every ``kvspec repro`` command shares: seeds, spreads over them, its runs and its JSON.
 
-A simulated figure is a mean over ``SEEDS`` with its spread (``Spread``); a
-verdict row puts a published figure beside kvspec's, with the tolerance the
-tests assert and, where it does not hold, the reason -- so that the command
-printing a figure also prints why it deviates.
+A simulated figure is a mean over ``SEEDS`` with its spread (``Spread``);
+the runs behind it go to ``WORKERS`` processes (``parallel_map``).  The
+verdict table each command ends with is ``kvspec.experiments.verdict_table``'s.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
 import numpy as np
 
-from kvspec.report import progress, table
+from kvspec.report import progress
 
 SEEDS = (0, 1, 2, 3, 4)
 WORKERS = 2  # the command runs on 2 cores alongside other work: more processes only queue
@@ -39,7 +40,7 @@ class Spread:
         return cls(float(array.mean()), std, float(array.min()), float(array.max()), len(array))
 
     def __str__(self) -> str:
-        return f"{_number(self.mean)} ± {_number(self.std, 2)} ({_number(self.low)}-{_number(self.high)}, {self.seeds} seeds)"
+        return f"{number_text(self.mean)} ± {number_text(self.std, 2)} ({number_text(self.low)}-{number_text(self.high)}, {self.seeds} seeds)"
 
     def percent(self) -> str:
         """The same for a share, in percent."""
@@ -49,41 +50,22 @@ class Spread:
         )
 
 
-def _number(value: float, digits: int = 3) -> str:
+def number_text(value: float, digits: int = 3) -> str:
     """``digits`` significant digits, but every digit of a whole number past them (8,709, not 8.71e+03)."""
     return f"{value:,.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
 
 
-def within(measured: float, published: float, tolerance: float) -> bool:
-    """A relative tolerance: ``measured`` within ``tolerance`` (0.2: +-20 %) of ``published``."""
-    return abs(measured / published - 1) <= tolerance
-
-
-@attrs.frozen
-class Verdict:
-    """One published figure against kvspec's; ``reason`` says why it deviates (printed when it does)."""
-
-    claim: str
-    source: str
-    published: str
-    measured: str
-    tolerance: str
-    holds: bool
-    reason: str = ""
-
-
-def print_verdicts(verdicts: Sequence[Verdict], title: str) -> None:
-    print()
-    print(
-        table(
-            ["figure", "source", "published", "kvspec", "tolerance", "holds"],
-            [[v.claim, v.source, v.published, v.measured, v.tolerance, "yes" if v.holds else "NO"] for v in verdicts],
-            title=title,
-        )
-    )
-    for v in verdicts:
-        if v.reason:
-            print(f"  {v.claim}: {v.reason}")
+def repro_arguments(name: str, doc: str, *, requests: int = 0, plot: str = "") -> argparse.ArgumentParser:
+    """The options ``kvspec repro name`` shares with the others: ``--json`` and ``--seeds``, ``--requests``
+    where it simulates that many by default, ``--plot`` where it draws ``plot``."""
+    parser = argparse.ArgumentParser(prog=f"kvspec repro {name}", description=doc.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the same numbers as JSON")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    if requests:
+        parser.add_argument("--requests", type=int, default=requests)
+    if plot:
+        parser.add_argument("--plot", type=Path, help=f"write {plot} here (needs matplotlib)")
+    return parser
 
 
 def parallel_map(

@@ -25,7 +25,6 @@ figure computed, and closes with the lecture's figures against this run:
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from kvspec.experiments import serving
-from kvspec.experiments.figures import SEEDS, WORKERS, Spread, Verdict, as_json, parallel_map, print_verdicts, within
+from kvspec.experiments.figures import SEEDS, WORKERS, Spread, as_json, parallel_map, repro_arguments
+from kvspec.experiments.verdict_table import Comparison, Verdict, print_verdicts, verdict_results, within
 from kvspec.impl.contiguous import ContiguousAllocator
 from kvspec.report import emit_json, pyplot, table
 from kvspec.spec.contiguous import region_size
@@ -162,14 +162,7 @@ def demo_2(runs: Runs, model: str) -> dict[str, Any]:
         "memory_bound_share_of_iterations": {
             p: Spread.of(r["memory_bound_share_of_iterations"] for r in seeded) for p, seeded in by_policy.items()
         },
-        "paged_batch_over": {
-            other: Spread.of(
-                paged["mean_batched_requests"] / r["mean_batched_requests"]
-                for paged, r in zip(by_policy["Paged"], seeded, strict=True)
-            )
-            for other, seeded in by_policy.items()
-            if other != "Paged"
-        },
+        "paged_batch_over": paged_batch_over(by_policy),
         "leaked_slots": max(r["leaked_slots"] for seeded in by_policy.values() for r in seeded),
     }
 
@@ -187,16 +180,21 @@ def demo_3(runs: Runs, model: str) -> dict[str, Any]:
             "memory_bound_share_of_iterations": {
                 p: Spread.of(r["memory_bound_share_of_iterations"] for r in seeded) for p, seeded in by_policy.items()
             },
-            "paged_over": {
-                other: Spread.of(
-                    paged["mean_batched_requests"] / r["mean_batched_requests"]
-                    for paged, r in zip(by_policy["Paged"], seeded, strict=True)
-                )
-                for other, seeded in by_policy.items()
-                if other != "Paged"
-            },
+            "paged_over": paged_batch_over(by_policy),
         }
     return out
+
+
+def paged_batch_over(by_policy: dict[str, list[dict[str, Any]]]) -> dict[str, Spread]:
+    """Paged's mean batch over each other policy's, seed by seed."""
+    return {
+        other: Spread.of(
+            paged["mean_batched_requests"] / run["mean_batched_requests"]
+            for paged, run in zip(by_policy["Paged"], seeded, strict=True)
+        )
+        for other, seeded in by_policy.items()
+        if other != "Paged"
+    }
 
 
 def demo_4(count: int, seed: int, block_sizes: Sequence[int] = BLOCK_SIZES) -> dict[str, Any]:
@@ -326,15 +324,9 @@ def verdicts(results: dict[str, Any]) -> list[Verdict]:
             all(abs(tokens[p].mean - v) <= PAPER_POINTS for p, v in PAPER_TOKENS.items()),
         ),
     ]
+    concurrency = Comparison("lecture §3.4 demo 3", LECTURE_CONCURRENCY, sharegpt["paged_over"], CONCURRENCY_TOLERANCE)
     rows += [
-        Verdict(
-            f"ShareGPT at 2 req/s: Paged's batch over {other}'s",
-            "lecture §3.4 demo 3",
-            f"about {ratio}x",
-            str(sharegpt["paged_over"][other]),
-            f"+-{CONCURRENCY_TOLERANCE:.0%} (mean)",
-            within(sharegpt["paged_over"][other].mean, ratio, CONCURRENCY_TOLERANCE),
-        )
+        concurrency.row(f"ShareGPT at 2 req/s: Paged's batch over {other}'s", other, f"about {ratio}x")
         for other, ratio in LECTURE_CONCURRENCY.items()
     ]
     rows += [
@@ -405,8 +397,7 @@ def run(count: int = 1000, seeds: Sequence[int] = SEEDS, workers: int = WORKERS)
         "demo_3": {model: demo_3(runs, model) for model in serving.STEP_MODELS},
         "demo_4": demo_4(10 * count, seeds[0]),
     }
-    results["verdicts"] = verdicts(results)
-    return results
+    return results | verdict_results(verdicts(results))
 
 
 def plot(ledger: dict[str, dict[str, dict[str, Spread]]], path: Path) -> bool:
@@ -428,11 +419,7 @@ def plot(ledger: dict[str, dict[str, dict[str, Spread]]], path: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvspec repro fragmentation", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the same numbers as JSON")
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    parser.add_argument("--plot", type=Path, help="write the ledger as stacked bars here (needs matplotlib)")
+    parser = repro_arguments("fragmentation", __doc__, requests=1000, plot="the ledger as stacked bars")
     args = parser.parse_args(argv)
     results = run(args.requests, args.seeds)
     if args.json:

@@ -40,7 +40,6 @@ that many requests make it.
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -50,7 +49,8 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
-from kvspec.experiments.figures import SEEDS, WORKERS, Spread, Verdict, as_json, parallel_map, print_verdicts, within
+from kvspec.experiments.figures import SEEDS, WORKERS, Spread, as_json, parallel_map, repro_arguments
+from kvspec.experiments.verdict_table import Comparison, Verdict, print_verdicts, verdict_results
 from kvspec.impl import reference
 from kvspec.report import emit_json, pyplot, table
 from kvspec.spec.contiguous import ContiguousAllocator, Ledger, Placement, Reservation, reserved_slots
@@ -201,8 +201,9 @@ class PagedServer:
     def step(self) -> StepReport:
         size, running, free = self.block_size, self.running, self.free
         due = running[1] % size == 0  # a full last block: the next token takes a new one
-        kept = running.shape[1]
-        if np.count_nonzero(due) > free:
+        new_blocks = int(np.count_nonzero(due))
+        victims: list[int] = []
+        if new_blocks > free:
             # Grant each running request its token in arrival order, preempting the latest while one does not
             # fit.  Keeping the first t costs their new blocks and frees the blocks of the rest, and that margin
             # only shrinks with t: the scheduler keeps the longest prefix whose margin is not negative.
@@ -210,12 +211,15 @@ class PagedServer:
             freed_by_rest = np.append(np.cumsum(held[::-1])[::-1][1:], 0)
             kept = int(np.count_nonzero(np.cumsum(due) <= free + freed_by_rest))
             free += int(held[kept:].sum())
-        victims = running[:, kept:][:, ::-1]
-        for rid, length in victims[:2].T.tolist():
-            self.queue.appendleft((rid, length - self.prompts[rid]))
-            self.preempted.add(rid)
-        free -= int(np.count_nonzero(due[:kept]))
-        running = running[:, :kept] + DECODE_ONE
+            for rid, length in running[:2, kept:][:, ::-1].T.tolist():
+                self.queue.appendleft((rid, length - self.prompts[rid]))
+                self.preempted.add(rid)
+                victims.append(rid)
+            new_blocks = int(np.count_nonzero(due[:kept]))
+            running = running[:, :kept]
+        free -= new_blocks
+        running = running + DECODE_ONE
+        decoded = running.shape[1]
         done = running[2] == 0
         finished = running[0, done].tolist()
         if finished:
@@ -224,7 +228,7 @@ class PagedServer:
         # Admission, in arrival order, stopping at a request that does not fit or was preempted in this step.
         admitted: list[tuple[int, int, int]] = []
         prefill = recomputed = 0
-        self.just_preempted = victims.shape[1] > 0
+        self.just_preempted = bool(victims)
         while self.queue and not self.just_preempted:
             rid, generated = self.queue[0]
             length = self.prompts[rid] + generated
@@ -243,10 +247,10 @@ class PagedServer:
             running = np.concatenate((running, np.array(admitted, dtype=np.int64).T), axis=1)
         self.running, self.free = running, free
         return StepReport(
-            preempted=tuple((rid, "recompute") for rid in victims[0].tolist()),
+            preempted=tuple((rid, "recompute") for rid in victims),
             admitted=tuple(rid for rid, _, _ in admitted),
             finished=tuple(finished),
-            decode_tokens=kept,
+            decode_tokens=decoded,
             prefill_tokens=prefill,
             recomputed_tokens=recomputed,
         )
@@ -282,8 +286,8 @@ class PagedServer:
         # A sequence of L tokens takes a block in the iteration that starts at a multiple of B.
         size, steps = self.block_size, int(self.running[2].min()) - 1  # the next to finish does in iteration min
         due = np.bincount(-self.running[1] % size, minlength=size)[np.arange(steps) % size]
-        new_blocks = np.cumsum(due)
-        self.new_blocks = new_blocks[: np.searchsorted(new_blocks, self.free, side="right")]  # then: preemption
+        new_blocks = due.cumsum()
+        self.new_blocks = new_blocks[: new_blocks.searchsorted(self.free, side="right")]  # then: preemption
         kv_tokens = (self.capacity - self.free + self.new_blocks) * size
         if not track_ledger:
             return QuietRun(kv_tokens, decodes, NO_QUIET_RUN.ledgers)
@@ -487,7 +491,8 @@ def simulate(
             arrived += 1
         report = server.step()
         clock += step_model.seconds(server.kv_tokens_read(), report.prefill_tokens + report.recomputed_tokens)
-        finish[list(report.finished)] = clock
+        if report.finished:
+            finish[list(report.finished)] = clock
         finished += len(report.finished)
         totals["steps"] += 1
         totals["batched"] += report.decode_tokens + len(report.admitted)
@@ -502,11 +507,11 @@ def simulate(
         if not len(quiet.kv_tokens):
             continue
         seconds = step_model.seconds(quiet.kv_tokens)
-        ends = clock + np.cumsum(seconds)
+        ends = clock + seconds.cumsum()
         steps = len(seconds)
         if not server.waiting() and arrived < count:  # an arrival may be admitted at once: stop before it
             starts = ends - seconds
-            steps = int(np.searchsorted(starts, arrival_times[arrived], side="left"))
+            steps = int(starts.searchsorted(arrival_times[arrived], side="left"))
         if not steps:
             continue
         server.skip(steps)
@@ -617,7 +622,7 @@ def run(
         "curves": curves,
         "highest_rate_rps": {m: {p: Spread.of(rates) for p, rates in h.items()} for m, h in highest.items()},
         "paged_rate_over": ratios,
-        "verdicts": verdicts(curves["calibrated"], ratios["calibrated"]),
+        **verdict_results(verdicts(curves["calibrated"], ratios["calibrated"])),
     }
 
 
@@ -638,13 +643,8 @@ def verdicts(curve: list[dict[str, Any]], ratios: dict[str, Spread]) -> list[Ver
             "ordering",
             flat_then_rising,
         ),
-        Verdict(
-            "Paged / Oracle, highest rate within 50 ms/token",
-            "lecture §7 demo 2, §12.6",
-            "about 2x",
-            str(oracle),
-            f"+-{RATE_TOLERANCE:.0%} (mean)",
-            within(oracle.mean, LECTURE_RATE_RATIOS["Oracle"], RATE_TOLERANCE),
+        Comparison("lecture §7 demo 2, §12.6", LECTURE_RATE_RATIOS, ratios, RATE_TOLERANCE).row(
+            "Paged / Oracle, highest rate within 50 ms/token", "Oracle", "about 2x"
         ),
         Verdict(
             "Paged / Max, highest rate within 50 ms/token",
@@ -703,12 +703,8 @@ def plot(curves: list[dict[str, Any]], path: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvspec repro serving", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the same numbers as JSON")
-    parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    parser = repro_arguments("serving", __doc__, requests=400, plot="latency vs rate")
     parser.add_argument("--rates", type=float, nargs="+", default=list(DEFAULT_RATES), help="req/s")
-    parser.add_argument("--plot", type=Path, help="write latency vs rate here (needs matplotlib)")
     args = parser.parse_args(argv)
     results = run(args.requests, args.seeds, args.rates)
     if args.json:
