@@ -4,12 +4,12 @@ The reference ``BlockPool`` against vLLM's v1 ``BlockPool`` (4,096 blocks), and 
 reference ``RadixCache`` against SGLang's, each driven through its own native API (no
 kvspec adapter in the timed loop: vLLM gets its ``KVCacheBlock`` objects and ``bytes``
 hashes, SGLang its ``RadixKey`` arrays and ``int64`` tensors, built before timing).  Every
-row runs the same operations on both sides; ``ratio`` is the reference's rate over the
-engine's (above 1.0: the reference is faster).  Best of ``--repeat`` runs, each on a
-fresh structure; the radix rows run at 32, 64, 512 and 2,048 tokens a request, both
-sides alternating ``--repeat`` times in CPU seconds of this process, and print each
-side's median rate and the ratio's min and median.  Prints ratios; asserts nothing
-about time.
+row runs the same logical work on both sides; ``ratio`` is the reference's rate over the
+engine's (above 1.0: the reference is faster).  Each run is on a fresh structure, timed
+in CPU seconds of this process (other work on the machine changes both sides alike), the
+two sides alternating ``--repeat`` times; each row prints each side's median rate and
+the ratio's min and median over the runs made side by side.  The radix rows run at 32,
+64, 512 and 2,048 tokens a request.  Prints ratios; asserts nothing about time.
 
     python -m bench.bench_engines               # both comparisons (the engines installed as the README says)
     python -m bench.bench_engines --only vllm   # or --only sglang, --only transformers
@@ -35,21 +35,32 @@ BLOCKS = 4_096
 RUNNING = 8  # requests holding a lock at once under eviction pressure
 
 
-def best_rate(setup: Callable[[], Any], run: Callable[[Any], int], repeat: int) -> float:
-    """Operations per second of ``run(setup())``, best of ``repeat`` fresh runs."""
-    best = 0.0
+Side = tuple[Callable[[], Any], Callable[[Any], int]]  # a fresh structure, and a run over it answering its count
+Rates = tuple[list[float], list[float]]  # the reference's rate and the engine's, one a run, runs side by side
+
+
+def cpu_rate(setup: Callable[[], Any], run: Callable[[Any], int]) -> float:
+    """Operations per CPU second of this process of ``run(setup())``: other work on the machine changes the
+    seconds of both sides of a row alike, not their ratio."""
+    state = setup()
+    start = time.process_time()
+    operations = run(state)
+    return operations / max(time.process_time() - start, 1e-9)
+
+
+def alternating(reference: Side, engine: Side, repeat: int) -> Rates:
+    """Each side run ``repeat`` times, the two alternating, each run on a fresh structure."""
+    rates: Rates = ([], [])
     for _ in range(repeat):
-        state = setup()
-        start = time.perf_counter()
-        operations = run(state)
-        best = max(best, operations / (time.perf_counter() - start))
-    return best
+        rates[0].append(cpu_rate(*reference))
+        rates[1].append(cpu_rate(*engine))
+    return rates
 
 
 # -- the block pools -----------------------------------------------------------------------
 
 
-def pool_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
+def pool_rows(repeat: int, scale: float) -> list[tuple[str, list[float], list[float]]]:
     from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
@@ -115,15 +126,13 @@ def pool_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
         ("allocate(8) + release reversed", ref_alloc8, vllm_alloc8),
         ("prefix cycle: allocate/register/release, lookup+share/release (8 blocks)", ref_cycle, vllm_cycle),
     ]
-    return [
-        (name, best_rate(ref_pool, ref, repeat), best_rate(vllm_pool, engine, repeat)) for name, ref, engine in rows
-    ]
+    return [(name, *alternating((ref_pool, ref), (vllm_pool, engine), repeat)) for name, ref, engine in rows]
 
 
 # -- the KV cache managers ------------------------------------------------------------------
 
 
-def kv_manager_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
+def kv_manager_rows(repeat: int, scale: float) -> list[tuple[str, list[float], list[float]]]:
     """The reference prefix-caching manager against vLLM's full-attention ``KVCacheManager`` through its own
     calls: a request is made (its prompt hashed), looked up, admitted, decoded a token a step, freed."""
     from kvspec.adapters.vllm_kv_cache_manager import engine, kv_cache_manager
@@ -161,8 +170,11 @@ def kv_manager_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]
     return [
         (
             f"request: admit 64 tokens (hits), {decodes} decodes, free (blocks of {size})",
-            best_rate(lambda: PrefixCachingBlockManager(BlockPool(blocks, "lru"), size), ref_serve, repeat),
-            best_rate(lambda: kv_cache_manager(blocks, size, [None], caching=True), vllm_serve, repeat),
+            *alternating(
+                (lambda: PrefixCachingBlockManager(BlockPool(blocks, "lru"), size), ref_serve),
+                (lambda: kv_cache_manager(blocks, size, [None], caching=True), vllm_serve),
+                repeat,
+            ),
         )
     ]
 
@@ -200,16 +212,7 @@ class FreedSegments:
         self.freed.append(free_index)
 
 
-def cpu_rate(setup: Callable[[], Any], run: Callable[[Any], int]) -> float:
-    """Operations per CPU second of this process of ``run(setup())``: other work on the machine changes the
-    seconds of both sides of a row alike, not their ratio."""
-    state = setup()
-    start = time.process_time()
-    operations = run(state)
-    return operations / max(time.process_time() - start, 1e-9)
-
-
-def radix_rows(repeat: int, scale: float) -> list[tuple[str, Any, Any]]:  # rates of each run (see columns)
+def radix_rows(repeat: int, scale: float) -> list[tuple[str, list[float], list[float]]]:
     """Every radix row at every length of ``RADIX_LENGTHS``; each side run ``repeat`` times, alternating."""
     from kvspec.adapters.sglang import engine
 
@@ -218,15 +221,8 @@ def radix_rows(repeat: int, scale: float) -> list[tuple[str, Any, Any]]:  # rate
     for length in RADIX_LENGTHS:
         count = max(2 * RUNNING, int(RADIX_TOKENS * scale) // length)
         for name, reference, sglang in radix_regimes(sgl, count, length):
-            rates: tuple[list[float], list[float]] = ([], [])
-            for _ in range(repeat):
-                rates[0].append(cpu_rate(*reference))
-                rates[1].append(cpu_rate(*sglang))
-            rows.append((f"{name}, {length:,} tokens", *rates))
+            rows.append((f"{name}, {length:,} tokens", *alternating(reference, sglang, repeat)))
     return rows
-
-
-Side = tuple[Callable[[], Any], Callable[[Any], int]]  # a fresh structure, and a run over it answering its count
 
 
 def radix_regimes(sgl: Any, count: int, length: int) -> list[tuple[str, Side, Side]]:
@@ -335,7 +331,7 @@ def radix_regimes(sgl: Any, count: int, length: int) -> list[tuple[str, Side, Si
 # -- SGLang's radix cache over its paged allocator; HF transformers' continuous-batching cache ---------
 
 
-def page_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
+def page_rows(repeat: int, scale: float) -> list[tuple[str, list[float], list[float]]]:
     """The reference page manager against SGLang's tree over its real allocator, both behind the radix-page-manager
     calls (the engine through ``kvspec.adapters.sglang_pages``, whose replayed scheduler calls are the engine's)."""
     from kvspec.adapters.sglang_pages import SglangPages
@@ -360,12 +356,15 @@ def page_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
         return SglangPages(pages, page_size)
 
     title = f"serve: admit 64 tokens (shared prefixes), {decodes} decodes, release (pages of {page_size})"
-    return [(title, best_rate(reference, serve, repeat), best_rate(engine_pages, serve, repeat))]
+    return [(title, *alternating((reference, serve), (engine_pages, serve), repeat))]
 
 
-def hf_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
+def hf_rows(repeat: int, scale: float) -> list[tuple[str, list[float], list[float]]]:
     """The reference block and sliding-window managers against HF's allocators through their own calls
-    (``can_store_request_tokens``, ``free_blocks``, ``try_to_free_sectors``; no forward pass)."""
+    (``can_store_request_tokens``, ``free_blocks``, ``try_to_free_sectors``; no forward pass).  The reference
+    block manager answers each write's slots (``WritePlan.slots``), which HF's batch builder computes at every
+    step for every request it schedules (``extend_read_and_write_indices``, writes only: the reference reads
+    nothing); the sliding-window manager answers none, and HF computes none for it."""
     from kvspec.adapters.transformers import engine, paged_cache
     from kvspec.impl.block_manager import BlockManager
     from kvspec.impl.sliding_window import SlidingWindowManager
@@ -390,14 +389,19 @@ def hf_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
             manager.free(seq)
         return requests // 8
 
-    def hf_requests(cache: Any, count: int = requests, steps: int = decodes) -> int:
+    def hf_requests(cache: Any, count: int = requests, steps: int = decodes, slots: bool = True) -> int:
         store, free, free_sectors = cache.can_store_request_tokens, cache.free_blocks, cache.pool.try_to_free_sectors
+        indices = cache.extend_read_and_write_indices
         for seq in range(count):
             state = hf.RequestState(request_id=str(seq), initial_tokens=list(range(prompt)))
             store(state, prompt)
+            if slots:
+                indices(state.request_id, 0, prompt, None, [[]])
             state.position_offset = prompt
             for _ in range(steps):
                 store(state, 1)
+                if slots:
+                    indices(state.request_id, state.position_offset, 1, None, [[]])
                 state.position_offset += 1
             free(state.request_id)
             free_sectors()
@@ -405,18 +409,35 @@ def hf_rows(repeat: int, scale: float) -> list[tuple[str, float, float]]:
 
     return [
         (
-            f"admit {prompt}, {decodes} decodes, free (blocks of {size})",
-            best_rate(lambda: BlockManager(BlockPool(blocks, "lru"), size), ref_requests, repeat),
-            best_rate(lambda: paged_cache(blocks, size), hf_requests, repeat),
+            f"admit {prompt}, {decodes} decodes, free, each write's slots (blocks of {size})",
+            *alternating(
+                (lambda: BlockManager(BlockPool(blocks, "lru"), size), ref_requests),
+                (lambda: paged_cache(blocks, size), hf_requests),
+                repeat,
+            ),
         ),
         (
             f"sliding window of {window}: admit {prompt}, {8 * decodes} decodes, free (HF: a ring)",
-            best_rate(lambda: SlidingWindowManager(BlockPool(blocks, "lru"), size, window), ref_windows, repeat),
-            best_rate(
-                lambda: paged_cache(blocks, size, window), lambda c: hf_requests(c, requests // 8, 8 * decodes), repeat
+            *alternating(
+                (lambda: SlidingWindowManager(BlockPool(blocks, "lru"), size, window), ref_windows),
+                (
+                    lambda: paged_cache(blocks, size, window),
+                    lambda c: hf_requests(c, requests // 8, 8 * decodes, False),
+                ),
+                repeat,
             ),
         ),
     ]
+
+
+RowsOf = Callable[[int, float], list[tuple[str, list[float], list[float]]]]  # (repeat, scale) -> rows
+COMPARISONS: tuple[tuple[str, str, RowsOf, str], ...] = (  # the engine's module, its name, its rows, the title
+    ("vllm", "vLLM v1 BlockPool", pool_rows, "reference BlockPool vs vLLM's (4,096 blocks)"),
+    ("vllm", "vLLM v1 KVCacheManager", kv_manager_rows, "reference prefix-caching manager vs vLLM's (4,096 blocks)"),
+    ("sglang", "SGLang RadixCache", radix_rows, "reference RadixCache vs SGLang's (simulated allocator)"),
+    ("sglang", "SGLang pages", page_rows, "reference RadixPageManager vs SGLang's RadixCache + paged allocator"),
+    ("transformers", "HF continuous batching", hf_rows, "reference managers vs HF's PagedAttentionCache"),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,20 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every operation count")
     args = parser.parse_args(argv)
-    comparisons = [
-        ("vllm", "vLLM v1 BlockPool", pool_rows, "reference BlockPool vs vLLM's (4,096 blocks)"),
-        (
-            "vllm",
-            "vLLM v1 KVCacheManager",
-            kv_manager_rows,
-            "reference prefix-caching manager vs vLLM's (4,096 blocks)",
-        ),
-        ("sglang", "SGLang RadixCache", radix_rows, "reference RadixCache vs SGLang's (simulated allocator)"),
-        ("sglang", "SGLang pages", page_rows, "reference RadixPageManager vs SGLang's RadixCache + paged allocator"),
-        ("transformers", "HF continuous batching", hf_rows, "reference managers vs HF's PagedAttentionCache"),
-    ]
     status = 0
-    for module, engine, rows_of, title in comparisons:
+    for module, engine, rows_of, title in COMPARISONS:
         if args.only not in (None, module):
             continue
         if not importable(module):
@@ -451,16 +460,13 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-def columns(engine: str, rows: list[tuple[str, Any, Any]]) -> tuple[list[str], list[list[Any]]]:
-    """A comparison's headers and rows: each side's rate and the ratio; for rows measured as one rate per run
-    (the radix rows), each side's median and the ratio's min and median over runs."""
-    if not rows or not isinstance(rows[0][1], list):
-        return ["operation", "reference ops/s", f"{engine} ops/s", "ratio"], [[n, r, e, r / e] for n, r, e in rows]
+def columns(engine: str, rows: list[tuple[str, list[float], list[float]]]) -> tuple[list[str], list[list[Any]]]:
+    """A comparison's headers and rows: each side's median rate, and the ratio's min and median over runs."""
     headers = ["operation", "reference ops/s (median)", f"{engine} ops/s (median)", "ratio min", "ratio median"]
-    return headers, [[name, *radix_ratios(ref, eng)] for name, ref, eng in rows]
+    return headers, [[name, *ratios(ref, eng)] for name, ref, eng in rows]
 
 
-def radix_ratios(reference: list[float], engine: list[float]) -> list[float]:
+def ratios(reference: list[float], engine: list[float]) -> list[float]:
     """Each side's median rate, then min and median of the ratio of runs made side by side."""
     ratios = [r / e for r, e in zip(reference, engine, strict=True)]
     return [statistics.median(reference), statistics.median(engine), min(ratios), statistics.median(ratios)]

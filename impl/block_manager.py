@@ -3,10 +3,17 @@
 Each write is checked for room before anything changes, so ``OutOfBlocks``
 leaves the manager as it was.  Slots live in a per-block list of token ids;
 a KV store mirrors them through the ``WritePlan`` each write returns.
+
+Speed: a serving step appends a token or a few to every running sequence, so a
+write checks a plain list of ints in C (``_checked``), asks once whether the last
+block must be copied (for the room it needs and for the write), and fills a
+block's slots a block at a time, not a token at a time: the pool is asked for a
+reference count once an append, and otherwise sees the same calls in the same order.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
@@ -16,6 +23,22 @@ from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.kv_store import KVStore
 from kvspec.spec.speculative import check_rollback
 from kvspec.spec.tiered_swap import TierLoad, require_continuation, tier_contents, tier_factor
+
+_INT = {int}
+
+
+def _checked(tokens: Sequence[int], allow_empty: bool) -> tuple[int, ...]:
+    """``check_tokens``, with the common case -- a non-empty list or tuple of plain non-negative ints -- checked in C;
+    anything else gets the exact check and its error."""
+    kind = type(tokens)
+    if kind is list or kind is tuple:
+        if len(tokens) == 1:  # a decode step's token
+            token = tokens[0]
+            if type(token) is int and token >= 0:
+                return (token,)
+        elif tokens and set(map(type, tokens)) == _INT and min(tokens) >= 0:
+            return tokens if kind is tuple else tuple(tokens)  # type: ignore[return-value]  # a tuple, checked
+    return check_tokens(tokens, allow_empty=allow_empty)
 
 
 class BlockManager:
@@ -47,23 +70,23 @@ class BlockManager:
         return tuple(self._contents[table[i // size]][i % size] for i in range(len(self._tokens[seq])))
 
     def add_sequence(self, seq: SeqId, prompt: Sequence[int]) -> WritePlan:
-        prompt = check_tokens(prompt, allow_empty=False)
+        prompt = _checked(prompt, allow_empty=False)
         self._require_new(seq)
         self._ensure_room(blocks_for(len(prompt), self._block_size))
         self._tables[seq], self._tokens[seq] = [], []
         return self._write(seq, prompt)
 
     def append(self, seq: SeqId, tokens: Sequence[int]) -> WritePlan:
-        tokens = check_tokens(tokens, allow_empty=True)
+        tokens = _checked(tokens, allow_empty=True)
         self._table(seq)
-        self._ensure_room(self._blocks_needed(seq, len(tokens)))
-        return self._write(seq, tokens)
+        copies_last_block = bool(tokens) and bool(self._needs_copy(seq))
+        self._ensure_room(self._blocks_needed(seq, len(tokens)) + copies_last_block)
+        return self._write(seq, tokens, copies_last_block)
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
-        table = self._table(parent)
+        self._table(parent)
         self._require_new(child)
-        self._pool.share(table)
-        self._tables[child] = list(table)
+        self._tables[child] = self._fork_table(parent)
         self._tokens[child] = list(self._tokens[parent])
 
     def free(self, seq: SeqId) -> None:
@@ -149,13 +172,18 @@ class BlockManager:
             contents=contents,
         )
 
+    def _fork_table(self, parent: SeqId) -> list[int]:
+        """The child's table: the parent's, every block shared."""
+        table = self._tables[parent]
+        self._pool.share(table)
+        return list(table)
+
     # -- the write path ------------------------------------------------------------
 
     def _blocks_needed(self, seq: SeqId, count: int) -> int:
-        """New blocks for ``count`` more tokens, plus one if the last block must be copied."""
+        """New blocks for ``count`` more tokens, a copy of the last block apart."""
         table, length = self._tables[seq], len(self._tokens[seq])
-        fresh = blocks_for(length + count, self._block_size) - len(table)
-        return fresh + int(self._needs_copy(seq) and count > 0)
+        return -(-(length + count) // self._block_size) - len(table)  # blocks_for, inline: every append asks
 
     def _needs_copy(self, seq: SeqId) -> bool:
         table = self._tables[seq]
@@ -166,24 +194,33 @@ class BlockManager:
         """Hook: whether the sequence's partial last block is registered (only a rollback leaves one so)."""
         return False
 
-    def _write(self, seq: SeqId, tokens: Sequence[int]) -> WritePlan:
-        """Write tokens after the last one; the caller has checked there is room."""
+    def _write(self, seq: SeqId, tokens: Sequence[int], copies_last_block: bool | None = None) -> WritePlan:
+        """Write tokens after the last one; the caller has checked there is room (``copies_last_block``: whether
+        the partial last block is copied first, as the caller found; None: ask ``_needs_copy``)."""
         table, written, size = self._tables[seq], self._tokens[seq], self._block_size
-        copies = []
-        if tokens and self._needs_copy(seq):
-            copies.append(self._copy_last_block(seq))
-        slots = []
-        for token in tokens:
-            offset = len(written) % size
+        if copies_last_block is None:
+            copies_last_block = bool(tokens) and bool(self._needs_copy(seq))
+        copies = [self._copy_last_block(seq)] if copies_last_block else []
+        slots: list[tuple[int, int]] = []
+        count, done, length = len(tokens), 0, len(written)
+        while done < count:  # a block's worth at a time: the slots left in the last block, or a new block
+            offset = length % size
             if offset == 0:
                 (block,) = self._pool.allocate(1)
                 self._contents[block] = []
                 table.append(block)
             block = table[-1]
-            self._contents[block][offset:] = [token]
-            slots.append((block, offset))
-            written.append(token)
-            if offset == size - 1:
+            taken = min(size - offset, count - done)
+            run = tokens[done : done + taken]
+            self._contents[block][offset:] = run
+            written += run
+            if taken == 1:  # a decode step
+                slots.append((block, offset))
+            else:
+                slots += zip(itertools.repeat(block), range(offset, offset + taken))
+            done += taken
+            length += taken
+            if offset + taken == size:
                 self._block_filled(seq, len(table) - 1)
         return WritePlan(copies=tuple(copies), slots=tuple(slots))
 
@@ -214,3 +251,18 @@ class BlockManager:
     def _require_new(self, seq: SeqId) -> None:
         if not isinstance(seq, Hashable) or seq in self._tables:
             raise InvalidOperation(f"sequence {seq!r} already exists")
+
+
+class CopyingForkBlockManager(BlockManager):
+    """Declares ``ManagerConventions(fork_partial_block="copy")`` (HF transformers' fork): the child shares the
+    parent's full blocks and gets a copy of its partially filled last block at once, so neither copies on write."""
+
+    def _fork_table(self, parent: SeqId) -> list[int]:
+        table, filled = self._tables[parent], len(self._tokens[parent]) % self._block_size
+        if not filled:
+            return super()._fork_table(parent)
+        self._ensure_room(1)
+        self._pool.share(table[:-1])
+        (copy,) = self._pool.allocate(1)
+        self._contents[copy] = self._contents[table[-1]][:filled]
+        return [*table[:-1], copy]

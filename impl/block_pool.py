@@ -166,10 +166,11 @@ class BlockPool:
         return self._capacity
 
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free if self._lru is None else self._lru)
 
     def refcount(self, block: int) -> int:
-        self._check(block)
+        if type(block) is not int or not 0 <= block < self._capacity:  # _check's test, inline: a manager asks often
+            self._check(block)
         return self._refcounts[block]
 
     def allocate(self, n: int) -> list[int]:

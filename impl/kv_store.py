@@ -6,13 +6,15 @@ directory maps a key to the nodes holding it, so ``lookup`` and re-``put``
 touch only the replicas.  Making room plans the whole cascade (which victim
 moves where, with each ARC tier's target as the copy entering it would adapt
 it) before moving anything, so an operation that runs out of room changes
-nothing.  Every convention of ``StoreConventions`` is supported: the factory
+nothing (but the ARC adaptation a refused put may make where the conventions
+say so).  Every convention of ``StoreConventions`` is supported: the factory
 ``KVStore`` builds the reference's, ``with_conventions(c)`` another profile.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import math
 from collections import OrderedDict
@@ -273,6 +275,22 @@ class KVStore:
             raise InvalidOperation(f"block {key!r} is in flight on node(s) {in_flight}: re-put it after the transfer")
 
     def put(self, node: int, key: Hashable, tokens: Sequence[int]) -> None:
+        with self._refusal_adapts(node, key):
+            self._put(node, key, tokens)
+
+    @contextlib.contextmanager
+    def _refusal_adapts(self, node: int, key: Hashable) -> Iterator[None]:
+        """Where the conventions say so (``refusal_adapts_policy``), a put refused for want of room has still shown
+        the writer's first tier a store miss of ``key``: an ARC tier adapts to its ghost."""
+        try:
+            yield
+        except OutOfBlocks:
+            here = self._node(node)
+            if self.conventions.refusal_adapts_policy and key not in here.blocks:
+                self._enter(here, 0, key)
+            raise
+
+    def _put(self, node: int, key: Hashable, tokens: Sequence[int]) -> None:
         here, contents, replicas = self._writable(node, key, tokens)
         if replicas and self.conventions.reput != "refresh":
             mine = here.blocks.get(key)
@@ -297,6 +315,10 @@ class KVStore:
     def put_replicated(self, node: int, key: Hashable, tokens: Sequence[int], factor: int) -> tuple[int, ...]:
         """A put on ``node``, then fresh copies on the next live nodes in ring order until ``factor`` distinct
         nodes hold the key; every target's room is planned before anything is written."""
+        with self._refusal_adapts(node, key):
+            return self._put_replicated(node, key, tokens, factor)
+
+    def _put_replicated(self, node: int, key: Hashable, tokens: Sequence[int], factor: int) -> tuple[int, ...]:
         self._node(node)
         live = [(node + step) % len(self._nodes) for step in range(len(self._nodes))]
         live = [n for n in live if self._nodes[n] is not None]
@@ -304,12 +326,12 @@ class KVStore:
             raise InvalidOperation(f"a put cannot place {factor!r} replicas on distinct nodes: {len(live)} are live")
         _, contents, replicas = self._writable(node, key, tokens)
         if replicas and self.conventions.reput != "refresh":
-            self.put(node, key, contents)
+            self._put(node, key, contents)
             return tuple(sorted(self._directory[key]))
         self._check_not_in_flight(key, contents, replicas)
         targets = [n for n in self._replica_targets(live, factor) if n != node and key not in self._node(n).blocks]
         plans = [(n, self._room_plan(self._node(n), 0, key)) for n in targets]
-        self.put(node, key, contents)
+        self._put(node, key, contents)
         for target, plan in plans:
             there = self._node(target)
             self._apply(target, there, plan, key, 0)

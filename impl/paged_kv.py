@@ -86,7 +86,7 @@ class PagedKVCache:
 
     def free(self, seq: SeqId) -> None:
         self._manager.free(seq)
-        del self._lengths[seq]
+        self._lengths.pop(seq, None)  # a manager that trusts its caller frees an unknown sequence as a no-op
 
     def write(self, seq: SeqId, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
         table, length = self._table(seq), self.length(seq)

@@ -8,8 +8,10 @@ Each sequence keeps the hashes of its full blocks, so a fill hashes one block
 ``commit="after_forward"`` a filled block's (block, hash) waits in its
 sequence's pending list until ``commit``; ``free`` drops the list (an abort).
 ``rollback`` forgets the hashes and pending entries of the blocks no longer
-full; a partial last block still cached under the hash of the full block its
-slots hold is copied before the next write (spec.speculative).
+full; a partial last block that still carries a hash is copied before the
+next write (spec.speculative).  Whether a block is cached is read off the
+pool's snapshot, never off ``lookup``: a pool that keeps duplicate hashes
+(``duplicate_hash="keep"``, vLLM's) caches a block ``lookup`` does not name.
 """
 
 from __future__ import annotations
@@ -86,9 +88,12 @@ class PrefixCachingBlockManager(BlockManager):
 
     def commit(self, seq: SeqId) -> None:
         self._table(seq)
-        for block, block_hash in self._pending.pop(seq, ()):
-            if self._pool.lookup(block_hash) != block:
-                self._pool.register(block, block_hash)
+        pending = self._pending.pop(seq, ())
+        if pending:
+            carried = self._pool.snapshot().block_hashes  # a fork's sibling may have committed a block already
+            for block, block_hash in pending:
+                if carried[block] is None:
+                    self._pool.register(block, block_hash)
 
     def rollback(self, seq: SeqId, n: int) -> None:
         super().rollback(seq, n)
@@ -118,13 +123,13 @@ class PrefixCachingBlockManager(BlockManager):
         return len(hits) * self._block_size
 
     def _last_block_cached(self, seq: SeqId) -> bool:
-        """A partial last block is cached only if its slots still hold a whole block, under that block's hash."""
-        table, size = self._tables[seq], self._block_size
-        held = self._contents[table[-1]]
-        if len(held) < size:
+        """Whether the partial last block carries a hash, whatever ``lookup`` names for it (a pool that keeps
+        duplicate hashes names the first block registered).  Only a block that filled was ever registered, and
+        a registered one is never written: one whose slots hold less than a block is not, and needs no look."""
+        last = self._tables[seq][-1]
+        if len(self._contents[last]) < self._block_size:
             return False
-        parent = self._chains[seq][-1] if len(table) > 1 else ROOT
-        return self._pool.lookup(self._hash(parent, held, self._extra_keys[seq])) == table[-1]
+        return self._pool.snapshot().block_hashes[last] is not None
 
     def _block_filled(self, seq: SeqId, index: int) -> None:
         chain, size = self._chains[seq], self._block_size

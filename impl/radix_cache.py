@@ -104,6 +104,8 @@ def _shared(key: Key, depth: int, node_key: Key) -> int:
 def _deepest_first(parts: list[tuple[int, ...]]) -> tuple[int, ...]:
     """``parts`` each reversed, one after another: the whole reversed, built by pointer copies alone (a
     reversed slice of each part, or a chain of them, costs a few times more a token)."""
+    if len(parts) == 1:  # an eviction that took one leaf, or a part of one: its reversed slice is one copy
+        return parts[0][::-1]
     flat: list[int] = []
     for part in reversed(parts):
         flat += part
@@ -279,7 +281,7 @@ class RadixCache:
         return upper
 
     def _touch(self, path: Sequence[Node]) -> None:
-        now = next(self._clock)
+        now = self._tick()
         for node in path:
             node.last_use = now
         if path:
@@ -290,10 +292,18 @@ class RadixCache:
             return
         heap = self._heap
         if len(heap) > 2 * self._nodes_count + 64:  # mostly stale entries: rebuild from the tree
-            heap[:] = [(n.last_use, next(self._pushes), n) for n in self._nodes() if not n.children and not n.lock_ref]
+            heap[:] = [self._entry(n) for n in self._nodes() if not n.children and not n.lock_ref]
             heapq.heapify(heap)
             return  # the rebuilt heap holds ``node``
-        heapq.heappush(heap, (node.last_use, next(self._pushes), node))
+        heapq.heappush(heap, self._entry(node))
+
+    def _tick(self) -> int:
+        """The time a walk stamps on the nodes it uses: every walk its own."""
+        return next(self._clock)
+
+    def _entry(self, node: Node) -> tuple[int, int, Node]:
+        """``node``'s place in the eviction heap: by last use (no two leaves share one), then as pushed."""
+        return node.last_use, next(self._pushes), node
 
     def _nodes(self) -> list[Node]:
         out, stack = [], list(self._root.children.values())

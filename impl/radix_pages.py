@@ -1,15 +1,18 @@
 """The reference page manager (spec.radix_pages): a page pool under the reference radix cache, in SGLang's shape.
 
-Free pages sit in a heap, so the lowest-numbered is handed out first (SGLang
-sorts its free pages).  A running request keeps its tokens and slots in
-lists, as SGLang's ``req_to_token`` row does.  Eviction is the radix cache's:
-the pages of the slots it answers go back to the heap.
+Free pages sit in a heap, so the lowest-numbered is handed out first
+(``page_reuse="lowest_first"``); ``LastFreedFirstPageManager`` keeps them in
+a list handed out from its front, each freeing putting its pages there
+(``"last_freed_first"``, SGLang's paged allocator).  A running request keeps
+its tokens and slots in lists, as SGLang's ``req_to_token`` row does.
+Eviction is the radix cache's: the pages of the slots it answers go back.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -26,17 +29,57 @@ class Running:
     cached: int
 
 
+class LowestFirst:
+    """Free pages in a heap: the lowest-numbered is handed out first."""
+
+    def __init__(self, num_pages: int) -> None:
+        self._heap = list(range(num_pages))
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def take(self, count: int) -> list[int]:
+        return [heapq.heappop(self._heap) for _ in range(count)]
+
+    def put_back(self, pages: Iterable[int]) -> None:
+        for page in pages:
+            heapq.heappush(self._heap, page)
+
+    def pages(self) -> frozenset[int]:
+        return frozenset(self._heap)
+
+
+class LastFreedFirst:
+    """Free pages in a list handed out from its front; a freeing puts its pages at the front, in its order."""
+
+    def __init__(self, num_pages: int) -> None:
+        self._list = deque(range(num_pages))
+
+    def __len__(self) -> int:
+        return len(self._list)
+
+    def take(self, count: int) -> list[int]:
+        return [self._list.popleft() for _ in range(count)]
+
+    def put_back(self, pages: Iterable[int]) -> None:
+        self._list.extendleft(reversed(list(pages)))
+
+    def pages(self) -> frozenset[int]:
+        return frozenset(self._list)
+
+
 class RadixPageManager:
-    """``num_pages`` pages of ``page_size`` slots, their cached pages in a radix tree."""
+    """``num_pages`` pages of ``page_size`` slots, their cached pages in a radix tree; the lowest free page first."""
 
     radix_cache = RadixCache  # the tree's class
+    free_pages: type[LowestFirst | LastFreedFirst] = LowestFirst  # the order free pages go out in (``page_reuse``)
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self._page_size = check_block_size(page_size)
         if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1:
             raise InvalidOperation(f"a pool needs at least one page, got {num_pages!r}")
         self._cache = self.radix_cache(page_size)
-        self._free = list(range(num_pages))  # a heap
+        self._free = self.free_pages(num_pages)
         self._contents = [NEVER_WRITTEN] * (num_pages * page_size)
         self._requests: dict[RequestId, Running] = {}
 
@@ -83,11 +126,12 @@ class RadixPageManager:
         if held.cached:
             self._cache.unlock(held.tokens[: held.cached])
         del self._requests[request_id]
-        self._return(held.slots[held.cached : present] + held.slots[whole:])
+        self._return(held.slots[held.cached : present])  # the duplicates
+        self._return(held.slots[whole:])  # the partial last page (without keep: everything past the match)
 
     def evict(self, num_tokens: int) -> tuple[int, ...]:
         evicted = self._cache.evict(num_tokens)
-        self._return(evicted)
+        self._return_evicted(evicted)
         return evicted
 
     def available_size(self) -> int:
@@ -102,7 +146,7 @@ class RadixPageManager:
     def snapshot(self) -> PagesState:
         requests = {rid: Held(tuple(r.tokens), tuple(r.slots), r.cached) for rid, r in self._requests.items()}
         cache = self._cache.snapshot()
-        return PagesState(self._page_size, frozenset(self._free), cache, requests, tuple(self._contents))
+        return PagesState(self._page_size, self._free.pages(), cache, requests, tuple(self._contents))
 
     # -- internals -----------------------------------------------------------------
 
@@ -110,15 +154,19 @@ class RadixPageManager:
         return pages <= len(self._free) + self._cache.evictable_size() // self._page_size
 
     def _take(self, count: int) -> list[int]:
-        """The lowest ``count`` free pages, after evicting leaf pages for what is short (``_room`` said enough)."""
+        """The next ``count`` free pages, after evicting leaf pages for what is short (``_room`` said enough)."""
         short = count - len(self._free)
         if short > 0:
-            self._return(self._cache.evict(short * self._page_size))
-        return [heapq.heappop(self._free) for _ in range(count)]
+            self._return_evicted(self._cache.evict(short * self._page_size))
+        return self._free.take(count)
 
     def _return(self, slots: Sequence[int]) -> None:
-        for page in {slot // self._page_size for slot in slots}:
-            heapq.heappush(self._free, page)
+        """One freeing of the pages of ``slots``, lowest first."""
+        self._free.put_back(sorted({slot // self._page_size for slot in slots}))
+
+    def _return_evicted(self, evicted: Sequence[int]) -> None:
+        """The pages of an eviction's slots, freed leaf after leaf in its tokens' order: read from the last back."""
+        self._free.put_back(dict.fromkeys(slot // self._page_size for slot in reversed(evicted)))
 
     def _write(self, slots: Sequence[int], tokens: Sequence[int]) -> None:
         for slot, token in zip(slots, tokens, strict=True):
@@ -135,3 +183,9 @@ class RadixPageManager:
         if held is None:
             raise InvalidOperation(f"request {request_id} is not running")
         return held
+
+
+class LastFreedFirstPageManager(RadixPageManager):
+    """Declares ``page_reuse="last_freed_first"``: the page freed last is handed out first, as SGLang's."""
+
+    free_pages = LastFreedFirst

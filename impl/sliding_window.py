@@ -1,14 +1,25 @@
-"""The reference sliding-window managers (spec.sliding_window): tables whose dropped entries are None, and rings."""
+"""The reference sliding-window managers (spec.sliding_window): tables whose dropped entries are None, and rings.
+
+``SlidingWindowManager`` takes its choices from its class's ``conventions`` (the reference's by default):
+``window_of`` and ``release`` say which blocks a write keeps and when the others go.  Its subclass
+``NextTokenWindowManager`` is vLLM's choice (the next token's window, released at the next allocation);
+``RingSlidingWindowManager`` is HF transformers' ring.
+"""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from kvspec.spec.block_manager import blocks_for, check_block_size
 from kvspec.spec.block_pool import BlockPool
+from kvspec.spec.conventions import WindowConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.sliding_window import SeqId, Table, WindowState, in_window, ring_blocks
 
 
 class SlidingWindowManager:
+    conventions: ClassVar[WindowConventions] = WindowConventions()  # the window choices it makes
+
     def __init__(self, pool: BlockPool, block_size: int, window: int) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise InvalidOperation(f"a window is a positive number of tokens, got {window!r}")
@@ -43,10 +54,11 @@ class SlidingWindowManager:
         return WindowState(self._block_size, self._window, self._pool.snapshot(), tables, dict(self._lengths))
 
     def _grow(self, seq: SeqId, added: int) -> None:
+        """Drop what the window of the new length leaves, then allocate the new logical blocks in it."""
         table, size = self._tables[seq], self._block_size
         length = self._lengths[seq] + added
-        dropped = [i for i, b in enumerate(table) if b is not None and not in_window(i, length, size, self._window)]
-        fresh = [i for i in range(len(table), blocks_for(length, size)) if in_window(i, length, size, self._window)]
+        dropped = self._slid_out(table, length)
+        fresh = [i for i in range(len(table), blocks_for(length, size)) if self._in_window(i, length)]
         if len(fresh) > self._pool.num_free() + len(dropped):
             raise OutOfBlocks(len(fresh), self._pool.num_free() + len(dropped))
         self._drop(table, dropped)
@@ -54,6 +66,13 @@ class SlidingWindowManager:
         table += [None] * (blocks_for(length, size) - len(table) - len(fresh))
         table += blocks
         self._lengths[seq] = length
+
+    def _in_window(self, index: int, length: int) -> bool:
+        return in_window(index, length, self._block_size, self._window, self.conventions.window_of)
+
+    def _slid_out(self, table: list[int | None], length: int) -> list[int]:
+        """The entries of ``table`` that name a block outside the window of ``length`` tokens."""
+        return [i for i, b in enumerate(table) if b is not None and not self._in_window(i, length)]
 
     def _drop(self, table: list[int | None], dropped: list[int]) -> None:
         """Release the blocks that slid out of the window, last first, and clear their entries."""
@@ -73,9 +92,27 @@ class SlidingWindowManager:
             raise InvalidOperation(f"sequence {seq!r} does not exist (never added, or freed)") from None
 
 
+class NextTokenWindowManager(SlidingWindowManager):
+    """Declares vLLM's choices: a block is kept for the window of the token computed next, and one that slid out
+    is released at the sequence's next allocation -- before room is counted, so a refused one releases it too."""
+
+    conventions = WindowConventions(window_of="next_token", release="at_next_allocation")
+
+    def _grow(self, seq: SeqId, added: int) -> None:
+        if not added:
+            return  # nothing to compute: no allocation
+        table, length = self._tables[seq], self._lengths[seq]
+        self._drop(table, self._slid_out(table, length))
+        fresh = blocks_for(length + added, self._block_size) - len(table)
+        table += self._pool.allocate(fresh)  # all or nothing: OutOfBlocks leaves what was dropped dropped
+        self._lengths[seq] = length + added
+
+
 class RingSlidingWindowManager(SlidingWindowManager):
     """Declares ``WindowConventions(slid_out="ring")``: a sequence keeps the blocks of its last ``window`` tokens
     as a ring and reuses them in place; nothing slides out of its table."""
+
+    conventions = WindowConventions(slid_out="ring")
 
     def _grow(self, seq: SeqId, added: int) -> None:
         table, length = self._tables[seq], self._lengths[seq] + added

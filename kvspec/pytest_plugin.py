@@ -13,11 +13,18 @@ its own implementation::
   plugin binds each to the implementation at collection (nothing is bound at
   import time), so they run as ordinary Hypothesis state-machine tests.  Plain
   tests get the implementation from the ``kv_implementation`` fixture.
+* In a session that collected kvspec's machines, Hypothesis writes its files
+  into kvspec's cache (``profiles.hypothesis_files_in_cache``) while it
+  collects and while a machine runs, never a ``.hypothesis/`` into the
+  directory pytest runs in; the project's own tests keep Hypothesis's usual
+  place for their example database.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings as Settings
@@ -26,6 +33,7 @@ from kvspec.properties import harness, loading, profiles
 from kvspec.spec.implementation import Implementation
 
 SELECTION = pytest.StashKey[tuple[str, Implementation]]()
+MACHINES = pytest.StashKey[set[type]]()  # the test classes bound to kvspec's machines
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -45,6 +53,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.stash[MACHINES] = set()
     try:
         config.stash[SELECTION] = loading.select(config.getoption("--kv-impl"))
     except (loading.AdapterError, loading.UsageError) as error:
@@ -66,7 +75,22 @@ def pytest_pycollect_makeitem(collector: pytest.Module | pytest.Class, name: str
     bound = obj.bind(implementation, profile_settings(collector.config))
     bound.__name__ = bound.__qualname__ = name
     setattr(collector.obj, name, bound)  # pytest's collectors look the class up by name
+    collector.config.stash[MACHINES].add(bound)
     return collector.ihook.pytest_pycollect_makeitem(collector=collector, name=name, obj=bound)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config) -> Iterator[None]:
+    """Hypothesis's plugin writes its cache of constants here, at the end of collection."""
+    with profiles.hypothesis_files_in_cache() if config.stash[MACHINES] else contextlib.nullcontext():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    machine = getattr(item, "cls", None) in item.config.stash[MACHINES]
+    with profiles.hypothesis_files_in_cache() if machine else contextlib.nullcontext():
+        return (yield)
 
 
 def profile_settings(config: pytest.Config) -> Settings | None:

@@ -32,6 +32,23 @@ request; a list the implementation answers is copied for the caller and
 overwritten too.  An implementation that keeps an alias of either -- or
 remembers anything by a buffer's identity -- reads another request's data.
 
+Safety is judged on the implementation, never on the model.  A safety rule
+reads only the implementation's own snapshots and answers and the caller's
+*ledger*: what the machine holds (blocks, sequences, pages, locks, pins,
+leases, transfers) and what it wrote where, kept from the calls it made and
+what the implementation answered.  So a call the implementation carries
+out is answered to the caller whatever the model said (``Answer(actual,
+actual)`` where the model refused it): the ledger follows the
+implementation.  Where the two part -- a call the model refused that the
+implementation carried out, answers that differ (a rule judged
+``against_model``), a known finding -- the model is set aside for the rest
+of the example: only safety is checked from there.  A safety rule handed
+the model, or ``against_model``, is kvspec's bug (``TypeError``);
+``properties/meta/provenance.py`` reads the machines' source for values
+derived from the model reaching a safety rule.  What a declared convention
+lets a refused call change (``Subject.refusal_view``) is left out of the
+comparison of its states before and after.
+
 The line each call records is made from the call itself, so the operation
 sequence a failure prints is exactly the calls that ran.  Invariants are
 ``spec`` objects, checked one by one (``check``) or by group
@@ -53,6 +70,7 @@ from types import ModuleType
 from typing import Any, ClassVar, TypeVar
 
 import attrs
+import hypothesis
 from hypothesis import HealthCheck, Phase, Verbosity, assume, event, reproduce_failure
 from hypothesis import settings as Settings
 from hypothesis.control import current_build_context
@@ -83,6 +101,7 @@ Variant = tuple[str, str]  # an out-of-contract call's operation and its kind (`
 EVERY_OPERATION: frozenset[Variant] = frozenset({("*", "")})  # spared: no out-of-contract call is sent
 OVERWRITTEN = -1  # what the caller writes over a list it has handed over: no token, block or id
 KVSPEC_SOURCES = (str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "spec"))
+HYPOTHESIS_SOURCES = str(Path(hypothesis.__file__).resolve().parent)  # an error raised there is never the engine's
 
 M = TypeVar("M", bound="LockstepMachine")
 
@@ -144,6 +163,34 @@ def variant_of(error: BaseException) -> str:
     return text
 
 
+NONDETERMINISTIC, HARNESS = "nondeterministic", "harness"  # the kinds of a finding that no rule names
+FINDING_KINDS: tuple[str, ...] = (*TIERS, NONDETERMINISTIC, HARNESS)  # in the order a verdict files them
+ADDRESS = re.compile(r"0x[0-9a-fA-F]+")  # an object's address in its repr: never part of what it answered
+
+
+class AnsweredDifferently(AssertionError):
+    """The implementation answered the same calls differently in two examples of one run: its answers depend on
+    something other than the calls (time, a thread, a global), so no finding on it can be replayed."""
+
+    def __init__(self, call: str, first: str, second: str, steps: tuple[str, ...]) -> None:
+        once, again = around_the_difference(first, second)
+        super().__init__(f"{call} answered {once} after these calls once, and {again} after the same calls again")
+        self.call, self.first, self.second, self.steps = call, first, second, steps
+
+
+def around_the_difference(first: str, second: str, context: int = 60) -> tuple[str, str]:
+    """Two long answers shown where they start to differ."""
+    differing = (i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    start = next(differing, min(len(first), len(second)))
+    cut = max(0, start - context // 2)
+
+    def shown(text: str) -> str:
+        head, tail = ("..." if cut else ""), ("..." if len(text) > cut + context else "")
+        return head + text[cut : cut + context] + tail
+
+    return shown(first), shown(second)
+
+
 @attrs.frozen
 class Answer:
     """What one call answered: the model's expectation and the implementation's answer."""
@@ -163,6 +210,7 @@ class Failure:
 
 
 Specs = ModuleType | tuple[ModuleType, ...]  # the spec module(s) that model a subject
+Refinement = tuple[Invariant, Callable[[Any], Any]]  # a layer's refinement rule, and the model's abstraction
 
 
 class Subject:
@@ -173,7 +221,11 @@ class Subject:
     transition is the first module's that has it.  ``model`` is the model's
     current state (None: no model, the implementation runs alone and every
     call is only recorded); ``snapshot`` reads the implementation's abstract
-    state (default: its ``snapshot()``).
+    state (default: its ``snapshot()``); ``refusal_view`` is what of that state a refused call must leave as
+    it was, under the implementation's declared conventions (default: all of it -- a convention may let a
+    refusal release what no later call reads, as vLLM's slid-out blocks, or adapt a policy's preference);
+    ``refinement`` is the layer's refinement rule and the abstraction of the model it compares a snapshot
+    with: a call the model refuses as out of contract is judged so only while the model still refines.
     """
 
     def __init__(
@@ -183,20 +235,38 @@ class Subject:
         spec: Specs | None,
         model: Any,
         impl: Any,
+        *,
         snapshot: Callable[[], Any] | None = None,
+        refusal_view: Callable[[Any], Any] | None = None,
+        refinement: Refinement | None = None,
     ) -> None:
         self.machine, self.name, self.spec, self.model, self.impl = machine, name, spec, model, impl
         self.snapshot: Callable[[], Any] = snapshot or (lambda: impl.snapshot())  # the state's type is the layer's
+        self.refusal_view: Callable[[Any], Any] = refusal_view or (lambda state: state)
+        self.refinement = refinement
+        self._transitions: dict[str, Callable[..., Any]] = {}  # by operation: looked up once, called every step
+
+    def parted(self, seen: Any) -> bool:
+        """Whether the model had already parted from the implementation's state ``seen`` (as ``refusal_view``
+        shows it), judged by the subject's refinement rule where it names one."""
+        if self.refinement is None or self.model is None:
+            return False
+        rule, abstract = self.refinement
+        return rule(seen, self.refusal_view(abstract(self.model))) is not None
 
     def __repr__(self) -> str:
         return self.name
 
     def transition(self, operation: str) -> Callable[..., Any]:
         """The spec's function for ``operation``."""
+        known = self._transitions.get(operation)
+        if known is not None:
+            return known
         modules = (self.spec,) if isinstance(self.spec, ModuleType) else self.spec or ()
         for module in modules:
             if hasattr(module, operation):
                 transition: Callable[..., Any] = getattr(module, operation)
+                self._transitions[operation] = transition
                 return transition
         raise AttributeError(f"no spec module of {self.name} models {operation!r}")
 
@@ -245,7 +315,11 @@ class LockstepMachine(RuleBasedStateMachine):
     _probing: ClassVar[Variant | None] = None  # the one out-of-contract call sent, to see what it leads to
     recycles_buffers: ClassVar[bool] = True  # see "Buffer ownership" in the module docstring
     statistics: ClassVar[Statistics]
+    _transcript: ClassVar[dict[int, str]] = {}  # the answer given after each history of calls (``record``)
     _unoffered: ClassVar[frozenset[Invariant]] = frozenset()  # rules whose every needed operation is left out
+    # What a bound machine asks at every step and whose answer its binding fixes, answered once per binding:
+    _offered: ClassVar[dict[tuple[str, str], bool]] = {}  # (kind, operation) -> offered (``offers``)
+    _counted: ClassVar[dict[int, tuple[Invariant, bool]]] = {}  # id of a rule -> the rule, and whether it counts
 
     def __init__(self) -> None:
         super().__init__()
@@ -254,9 +328,15 @@ class LockstepMachine(RuleBasedStateMachine):
         self._answers: list[tuple[list[Any], list[Any], str, int]] = []  # answered list, caller's copy, call, step
         self._failures: list[Failure] = []
         self._steps_at_release: int | None = None  # calls recorded when the last step ended
-        self._after_known = False  # a known finding happened in this example: only safety is checked now
+        # The model has parted from the implementation in this example -- a known finding, a call the model refused
+        # that the implementation carried out, answers that differ: from here only safety is checked, and safety
+        # reads only the implementation's own state and answers and the caller's ledger of what it holds.
+        self._parted = False
         self._accepted_at: int | None = None  # calls made when the probed out-of-contract call was accepted
         self._called: set[str] = set()
+        self._subjects: list[Subject] = []
+        self._history = 0  # the calls made and answered so far in this example, hashed
+        self._recycling_noted = False  # the event of a recycled buffer is recorded once an example
         type(self).statistics.examples += 1
 
     @classmethod
@@ -288,7 +368,10 @@ class LockstepMachine(RuleBasedStateMachine):
             "_spared": spared,
             "_probing": probing,
             "statistics": Statistics(),
+            "_transcript": {},
             "_unoffered": unoffered(implementation),
+            "_offered": {},
+            "_counted": {},
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
         }
@@ -314,16 +397,32 @@ class LockstepMachine(RuleBasedStateMachine):
 
     def offers(self, kind: str, operation: str) -> bool:
         """Whether the implementation under test offers ``kind``'s optional ``operation``."""
-        return self.implementation.offers_operation(kind, operation)
+        offered = self._offered.get((kind, operation))
+        if offered is None:  # the rules' preconditions ask it at every step; the binding fixes the answer
+            offered = self._offered[kind, operation] = self.implementation.offers_operation(kind, operation)
+        return offered
 
-    def subject(
-        self, name: str, spec: Specs | None, model: Any, impl: Any, snapshot: Callable[[], Any] | None = None
-    ) -> Subject:
-        return Subject(self, name, spec, model, impl, snapshot)
+    def subject(self, name: str, spec: Specs | None, model: Any, impl: Any, **options: Any) -> Subject:
+        """A subject of this machine (``Subject``: ``snapshot``, ``refusal_view`` and ``refinement`` by name)."""
+        subject = Subject(self, name, spec, model, impl, **options)
+        self._subjects.append(subject)
+        return subject
 
     def record(self, text: str) -> None:
         self._steps.append(text)
+        self._history = hash((self._history, text))
         type(self).statistics.steps += 1
+
+    def _answered(self, call: str, answer: object, error: BaseException | None) -> None:
+        """Note what ``call`` answered after the calls before it; the same calls answered differently in another
+        example of this run is the implementation's finding (``AnsweredDifferently``), never Hypothesis's."""
+        told = f"raised {type(error).__name__}" if error is not None else repr(answer)
+        if "0x" in told:  # an address, maybe: the regular expression only where it can match
+            told = ADDRESS.sub("0x?", told)
+        first = type(self)._transcript.setdefault(self._history, told)
+        if first != told:
+            raise AnsweredDifferently(call, first, told, tuple(self._steps))
+        self._history = hash((self._history, told))
 
     # -- checking ---------------------------------------------------------------------
 
@@ -332,18 +431,60 @@ class LockstepMachine(RuleBasedStateMachine):
     ) -> None:
         """Evaluate ``rule`` on ``args``; a failure is filed at the end of the step, under the highest tier.
 
-        ``against_model``: the arguments include the model's expectation, which stops meaning anything once
-        the example has broken a known rule (the model and the implementation have parted).
+        ``against_model``: the arguments include the model's expectation (a convention rule comparing answers):
+        its failure parts the model from the implementation, whether or not this run counts the rule.  A safety
+        rule is never given the model (``TypeError``): it is judged on what the implementation did.
         """
-        if (self._only is not None and rule not in self._only) or rule in self._unoffered:
+        safety = rule.tier == "safety"
+        if safety:
+            self._judge_safety_on_the_implementation(rule, args, against_model)
+        parted = self._parted
+        if parted and not safety:
             return
-        if self._after_known and (rule.tier != "safety" or against_model):
+        counted = self._counts(rule)
+        if not counted and not against_model:
+            return
+        problem = rule(*args)
+        if against_model and problem is not None:  # an answer that differs parts the model, counted or not
+            self._part("the implementation answered otherwise than the model")
+        if not counted:
             return
         statistics = type(self).statistics
-        (statistics.checks_after_known if self._after_known else statistics.checks)[rule] += 1
-        problem = rule(*args)
+        (statistics.checks_after_known if parted else statistics.checks)[rule] += 1
         if problem is not None:
             self._failures.append(Failure(rule, problem, operation, variant))
+
+    def _counts(self, rule: Invariant) -> bool:
+        """Whether this binding counts ``rule`` (``only``, and an operation it needs offered); asked once a rule."""
+        known = self._counted.get(id(rule))
+        if known is not None and known[0] is rule:
+            return known[1]
+        counted = (self._only is None or rule in self._only) and rule not in self._unoffered
+        self._counted[id(rule)] = (rule, counted)  # the rule kept with its id, so that the id names it alone
+        return counted
+
+    def _judge_safety_on_the_implementation(self, rule: Invariant, args: tuple[Any, ...], against_model: bool) -> None:
+        """A safety rule is judged on the implementation's own state and answers and the caller's ledger, never on
+        the model: a model the implementation legitimately parted from would make a finding that is not true."""
+        if against_model or self._holds_a_model(args):
+            raise TypeError(f"{type(self).__qualname__} checks the safety rule {rule.name} against the model")
+
+    def _holds_a_model(self, args: tuple[Any, ...]) -> bool:
+        """Whether one of ``args`` is a subject's model (plain loops: this runs for every safety check)."""
+        for subject in self._subjects:
+            model = subject.model
+            if model is not None:
+                for arg in args:
+                    if arg is model:
+                        return True
+        return False
+
+    def _part(self, why: str) -> None:
+        """The model and the implementation part here: only safety is checked from now on in this example."""
+        if not self._parted:
+            self._parted = True
+            type(self).statistics.examples_after_known += 1
+            event(f"model parted: {why}; checking safety alone from here")
 
     def check_group(self, group: Group, *args: Any) -> None:
         for rule, arguments in group.evaluations(*args):
@@ -368,14 +509,15 @@ class LockstepMachine(RuleBasedStateMachine):
         if not fresh:
             if any(f.invariant.tier == "safety" for f in failures):
                 assume(False)
-            if failures and not self._after_known:
-                self._after_known = True
-                type(self).statistics.examples_after_known += 1
-                event("broke a known rule: checking safety alone from here")
+            if failures:
+                self._part("broke a known rule")
             return
         trusted = self.implementation.conventions.trusts_caller
         top = min(fresh, key=lambda f: (not (trusted and f.invariant.tier == "caller contract"), tier_rank(f)))
-        consequences = tuple((f.invariant, f.detail) for f in failures if f is not top)
+        firsts = {f.invariant: f.detail for f in reversed(failures) if f.invariant is not top.invariant}
+        consequences = tuple(
+            (rule, firsts[rule]) for rule in dict.fromkeys(f.invariant for f in failures) if rule in firsts
+        )
         after = None if self._accepted_at is None else len(self._steps) - self._accepted_at
         cls = violation_class(top.invariant, top.operation, top.variant)
         raise cls(top.invariant, top.detail, top.operation, consequences, tuple(self._steps), top.variant, after)
@@ -401,9 +543,11 @@ class LockstepMachine(RuleBasedStateMachine):
         if subject.spec is None:
             self.record(label)
             try:
-                return Answer(None, self._take_back(getattr(subject.impl, operation)(*impl_args), label))
+                alone = getattr(subject.impl, operation)(*impl_args)
             finally:
                 self._overwrite(lent)
+            self._answered(label, alone, None)
+            return Answer(None, self._take_back(alone, label))
         try:
             model_args = [arg.model if isinstance(arg, Subject) else arg for arg in args]
             result, spec_error = subject.transition(operation)(subject.model, *model_args), None
@@ -415,11 +559,8 @@ class LockstepMachine(RuleBasedStateMachine):
             self._overwrite(lent)
             return None
         self.record(label)
-
-        def snapshots() -> object:
-            return subjects[0].snapshot() if len(subjects) == 1 else tuple(s.snapshot() for s in subjects)
-
-        before = snapshots()
+        views = refusal_views(subjects)
+        before = compared(views)
         try:
             actual, impl_error = getattr(subject.impl, operation)(*impl_args), None
         except HypothesisException:  # Hypothesis's own (a frozen example past its deadline): never the engine's
@@ -427,29 +568,34 @@ class LockstepMachine(RuleBasedStateMachine):
         except Exception as error:  # an untyped error is a verdict too: a crash
             actual, impl_error = None, error
         self._overwrite(lent)
+        self._answered(label, actual, impl_error)
         actual = self._take_back(actual, label)
         self._watch_answers(label)
+        if out_of_contract and any(s.parted(seen) for s, seen in zip(subjects, views, strict=True)):
+            self._part("the model had parted from the implementation's state before this call")
         if out_of_contract:
             answered = verdict(impl_error) if typed(impl_error) else crash_report(impl_error)
-            rejected = (verdict(spec_error), answered, before, snapshots())
+            rejected = (verdict(spec_error), answered, before, compared(refusal_views(subjects)))
             self.check(invariant_out_of_contract_call_rejected, *rejected, operation=operation, variant=variant)
             event(f"{operation} out of contract, rejected")
             if impl_error is not None:
                 return None
             if self._probing == (operation, variant) and self._accepted_at is None:
-                self._accepted_at, self._after_known = len(self._steps), True
-            # What a trusting implementation accepted, its caller now holds: the caller follows it.
-            return Answer(actual, actual) if self._after_known or self.conventions.trusts_caller else None
+                self._accepted_at = len(self._steps)
+            # What the implementation carried out, its caller now holds: the caller's ledger follows it.
+            self._part("the implementation carried out a call the model refused")
+            return Answer(actual, actual)
         if not typed(impl_error):
             self.check(invariant_no_untyped_error, crash_report(impl_error), operation=operation)
             return None
         self.check(invariant_verdict_matches_spec, verdict(spec_error), verdict(impl_error))
         if impl_error is not None:
             event(f"{operation} rejected with {verdict(impl_error)}")
-            self.check(invariant_failed_operation_changes_nothing, before, snapshots())
+            self.check(invariant_failed_operation_changes_nothing, before, compared(refusal_views(subjects)))
             return None
-        if spec_error is not None:  # the verdicts differ: after a known finding the caller follows the implementation
-            return Answer(actual, actual) if self._after_known else None
+        if spec_error is not None:  # the verdicts differ: the caller's ledger follows the implementation
+            self._part("the implementation carried out a call the model refused")
+            return Answer(actual, actual)
         states, expected = split_result(result, [s.model for s in subjects])
         for s, state in zip(subjects, states, strict=True):
             s.model = state
@@ -472,10 +618,13 @@ class LockstepMachine(RuleBasedStateMachine):
         """``value`` as the implementation gets it: each list (in lists and tuples too) in a reused buffer."""
         if not self.recycles_buffers or not isinstance(value, list | tuple):
             return value
-        items = [self._lend(item, lent) for item in value]
+        items: list[Any] | tuple[Any, ...] = value
+        if any(issubclass(kind, list | tuple) for kind in set(map(type, value))):
+            items = [self._lend(item, lent) for item in value]
         if isinstance(value, tuple):
             return tuple(items)
-        if self._buffers:
+        if self._buffers and not self._recycling_noted:  # an event is a fact of the example: once is enough
+            self._recycling_noted = True
             event("caller recycled a list it had handed over")
         buffer = self._buffers.pop() if self._buffers else []
         buffer[:] = items
@@ -516,10 +665,14 @@ class LockstepMachine(RuleBasedStateMachine):
         statistics.operations.update(self._called)
         statistics.reached.append(frozenset(map(str, getattr(current_build_context().data, "events", {}))))
         in_flight = sys.exc_info()[1]  # what ended the example, if it did not end well
-        if self._failures and not isinstance(in_flight, InvariantViolation):
+        if isinstance(in_flight, HypothesisException) or not isinstance(in_flight, Exception | None):
+            return  # Hypothesis ends the example itself (out of data, an assumption): nothing of it is filed
+        if self._failures and not isinstance(in_flight, InvariantViolation | AnsweredDifferently):
             self._file_findings()  # the rules that failed before the step crashed are its finding
-        crashed = isinstance(in_flight, Exception) and not isinstance(in_flight, InvariantViolation)
-        if crashed and self._after_known:
+        crashed = isinstance(in_flight, Exception) and not isinstance(
+            in_flight, InvariantViolation | AnsweredDifferently
+        )
+        if crashed and self._parted:
             assume(False)  # past a known finding the machine follows a model that has parted: spare the example
         if crashed:
             try:
@@ -576,8 +729,22 @@ def crash_report(error: BaseException | None) -> str:
     """An untyped error as a finding states it: class, message and the frame that raised it."""
     assert error is not None
     frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
-    where = f" at {frame.filename}:{frame.lineno} in {frame.name}" if frame else ""
+    where = f" at {portable(frame.filename)}:{frame.lineno} in {frame.name}" if frame else ""
     return f"{type(error).__name__}: {error}{where}"
+
+
+def portable(filename: str) -> str:
+    """A source file named as on any machine: from its package down (``vllm/v1/core/...``), never the path of
+    the virtualenv or the checkout it ran from."""
+    parts = Path(filename).parts
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            return "/".join(parts[len(parts) - parts[::-1].index(anchor) :])
+    resolved = Path(filename).resolve()
+    for root in (Path(source) for source in KVSPEC_SOURCES):
+        if resolved.is_relative_to(root.parent):
+            return "kvspec/" + resolved.relative_to(root.parent).as_posix()
+    return Path(filename).name
 
 
 def split_result(result: Any, models: list[Any]) -> tuple[list[Any], Any]:
@@ -593,6 +760,15 @@ def split_result(result: Any, models: list[Any]) -> tuple[list[Any], Any]:
         states, rest = list(result[: len(models)]), result[len(models) :]
         return states, rest[0] if len(rest) == 1 else (rest or None)
     return models, result
+
+
+def refusal_views(subjects: list[Subject]) -> tuple[object, ...]:
+    """What a refusal must leave as it was, of every subject of a call."""
+    return tuple(subject.refusal_view(subject.snapshot()) for subject in subjects)
+
+
+def compared(views: tuple[object, ...]) -> object:
+    return views[0] if len(views) == 1 else views
 
 
 def conformance_settings(base: Settings | None = None, examples: float = 1.0) -> Settings:
@@ -651,10 +827,12 @@ class Finding:
     variant: str = ""  # a contract finding's kind of call
     after_steps: int | None = None  # under a probe: calls between the accepted out-of-contract call and this
     blob: str = ""  # "hypothesis version:choices" of the shrunk example, for ``replay``
+    kind: str = HARNESS  # without a rule: NONDETERMINISTIC (the implementation's) or HARNESS (kvspec's own)
 
     @property
     def tier(self) -> str:
-        return self.invariant.tier if self.invariant else "harness"
+        """The rule's tier; a finding without a rule is filed under its kind."""
+        return self.invariant.tier if self.invariant else self.kind
 
 
 @attrs.frozen
@@ -669,7 +847,7 @@ class Outcome:
     @property
     def finding(self) -> Finding | None:
         """The finding of the highest tier, if any."""
-        return min(self.findings, key=lambda f: (TIERS + ("harness",)).index(f.tier), default=None)
+        return min(self.findings, key=lambda f: FINDING_KINDS.index(f.tier), default=None)
 
 
 def run_machine(
@@ -697,6 +875,8 @@ def run_machine(
         run_state_machine_as_test(bound, settings=settings)
     except Unsatisfiable:
         unsatisfiable = True
+    except unittest.SkipTest:  # told to run no example (only the phase that replays an empty database)
+        pass
     except BaseExceptionGroup as group:
         errors = list(leaves(group))
     except (Flaky, Exception) as error:
@@ -757,6 +937,15 @@ def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 def finding_of(error: BaseException) -> Finding:
     """A finding from what ended a failing example: a violation, a crash of the implementation, or of kvspec."""
+    cause = error.__context__
+    if isinstance(error, Flaky) and isinstance(cause, AnsweredDifferently):  # Hypothesis saw the same, later
+        error = cause
+    if isinstance(error, AnsweredDifferently):
+        return Finding(None, str(error), "", error.steps, kind=NONDETERMINISTIC)
+    if isinstance(error, Flaky):  # the same choices drew differently: answers the machine steers by changed
+        detail = f"the same example ran differently when run again ({type(error).__name__}): the implementation"
+        detail += " answered the same calls differently, in something the machine steers by"
+        return Finding(None, detail, "", getattr(error, STEPS_OF_A_CRASH, ()), kind=NONDETERMINISTIC)
     if isinstance(error, InvariantViolation):
         return Finding(
             error.invariant,
@@ -771,7 +960,7 @@ def finding_of(error: BaseException) -> Finding:
     innermost = frames[-1].filename if frames else ""
     steps = getattr(error, STEPS_OF_A_CRASH, ())
     # Hypothesis's own (flaky data generation when an engine's timing steers the draws) is never the engine's
-    engine_frame = innermost and not str(Path(innermost).resolve()).startswith(KVSPEC_SOURCES)
+    engine_frame = innermost and not str(Path(innermost).resolve()).startswith((*KVSPEC_SOURCES, HYPOTHESIS_SOURCES))
     if engine_frame and not isinstance(error, HypothesisException):
         return Finding(invariant_no_untyped_error, crash_report(error), "", steps)  # the implementation crashed
     return Finding(None, crash_report(error), "", steps)

@@ -1,21 +1,24 @@
 """Choosing and loading the implementation under test: ``module:factory`` to a validated ``Implementation``.
 
 Everything that can go wrong here is the adapter's error, never a finding:
-the path is malformed, the module does not import (or has a syntax error),
-the factory is missing, needs arguments or raises, it returns something else
-than an ``Implementation``, or the declaration is unusable
-(``Implementation.validate``).  Each is one ``AdapterError`` line that names
-the adapter and the cause; the command line prints it and exits 2.
+the path is malformed, the module does not import (or has a syntax error, or
+calls ``sys.exit``), the factory is missing, needs arguments, raises or exits,
+it returns something else than an ``Implementation``, or the declaration is
+unusable (``Implementation.validate``).  Each is one ``AdapterError`` line
+that names the adapter and the cause; the command line prints it and exits 2.
 
 A module in the current directory is importable, as under ``python -m``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
+import pkgutil
 import sys
+from collections.abc import Callable, Iterator
 
 from kvspec.spec.components import DeclarationError
 from kvspec.spec.implementation import Implementation
@@ -53,7 +56,7 @@ def factory_of(path: str) -> object:
         raise AdapterError(f"{path}: {error.filename}:{error.lineno}: syntax error: {error.msg}") from None
     except ImportError as error:
         raise AdapterError(f"{path}: cannot import {module_name!r}: {error}") from None
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # a module that exits would end the verdict with its own status
         raise AdapterError(f"{path}: importing {module_name!r} raised {type(error).__name__}: {error}") from None
     if not hasattr(module, attribute):
         raise AdapterError(f"{path}: module {module_name!r} has no {attribute!r}")
@@ -75,7 +78,7 @@ def build(path: str, factory: object) -> Implementation:
             pass  # no signature to read (a builtin): calling it will tell
         try:
             implementation = factory()
-        except Exception as error:
+        except (Exception, SystemExit) as error:
             raise AdapterError(f"{path}: the factory raised {type(error).__name__}: {error}") from None
     if not isinstance(implementation, Implementation):
         got = type(implementation).__name__
@@ -99,3 +102,40 @@ def select(path: str | None) -> tuple[str, Implementation]:
     if not path.strip():
         raise UsageError("the implementation named is empty; give module:factory")
     return path, load_implementation(path)
+
+
+@contextlib.contextmanager
+def exits_are_the_adapters(path: str, during: str) -> Iterator[None]:
+    """An implementation that calls ``sys.exit`` would end the verdict with the status it chose (0 passes):
+    it is an ``AdapterError`` instead."""
+    try:
+        yield
+    except SystemExit as exit:
+        raise AdapterError(
+            f"{path}: the implementation called sys.exit({exit.code!r}) {during}: a verdict needs every call to "
+            "return or raise"
+        ) from None
+
+
+def import_every_module() -> None:
+    """Import every module of kvspec but the engines' adapters.
+
+    Hypothesis mixes constants from every loaded module of the project into what it draws, so a derandomized
+    run's examples depend on which modules are loaded: with all of them loaded first, they are a fact of the
+    source alone -- the same in pytest, in ``kvspec check`` and in each of its worker processes.  The adapters
+    are left out: they import the engines, which a core install does not have.
+    """
+    import kvspec
+
+    for module in pkgutil.walk_packages(kvspec.__path__, "kvspec."):
+        if not module.name.startswith("kvspec.adapters."):
+            importlib.import_module(module.name)
+
+
+def resolve(factory: str | Callable[[], Implementation] | Implementation) -> tuple[str, Implementation]:
+    """The implementation ``factory`` names (``module:factory``, the factory, or an ``Implementation``),
+    validated and completed from the reference, and how to name it."""
+    if isinstance(factory, str):
+        return factory, load_implementation(factory)
+    path = getattr(factory, "__module__", "?") + ":" + getattr(factory, "__qualname__", type(factory).__name__)
+    return path, build(path, factory).complete_with(load_implementation(REFERENCE))

@@ -5,6 +5,11 @@ own, and drives add / append / fork / free / read and group moves between
 them (swap), valid and invalid, on tiny pools where exhaustion and
 copy-on-write are common and on a realistic one.  Every pool invariant is
 checked too, with the table entries as the holders of each block.  The
+caller keeps a ledger of each manager (``held``): the sequences it holds
+there and the tokens it wrote into each, following what the manager carried
+out -- the safety rules read it and the manager's own snapshot, never the
+model.  A sequence on which an out-of-contract call was carried out stays
+held, its tokens no longer vouched for.  The
 search revisits: a write refused for want of blocks is retried after a free,
 and an earlier prompt is admitted again under a freed sequence id (its slot)
 or a new one.  Where the implementation offers ``rollback``, sequences
@@ -21,10 +26,17 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, consumes, initialize, invariant, multiple, precondition, rule
 
-from kvspec.properties.harness import LockstepMachine, Subject, conformance_test
+from kvspec.conformance import run_conformance
+from kvspec.impl.block_manager import CopyingForkBlockManager
+from kvspec.properties.harness import Answer, LockstepMachine, Subject, conformance_test
 from kvspec.spec import block_manager as model
 from kvspec.spec import block_pool, speculative
 from kvspec.spec.block_manager import ManagerState, SeqId, WritePlan
+from kvspec.spec.components import Offer, every_operation
+from kvspec.spec.conventions import Conventions, ManagerConventions
+from kvspec.spec.errors import InvalidOperation
+from kvspec.spec.implementation import Implementation
+from kvspec.spec.invariants import invariant_result_matches_spec
 
 TOKENS = st.integers(0, 9)
 NOT_TOKENS = st.sampled_from([-1, 1.5, True, "7", None])
@@ -32,11 +44,33 @@ MALFORMED: st.SearchStrategy[list[Any]] = st.one_of(
     st.just([]), st.lists(st.one_of(TOKENS, NOT_TOKENS), min_size=1, max_size=3)
 )
 PROMPTS = st.lists(TOKENS, min_size=1, max_size=10, unique=True)  # distinct tokens make misplaced data visible
+LONG_PROMPTS = st.lists(TOKENS, min_size=4, max_size=10, unique=True)  # a full block at least, at any block size
 APPENDS = st.lists(TOKENS, max_size=6, unique=True)
 DEVICES = st.sampled_from(["gpu", "gpu", "cpu"])
 OPERATIONS = st.sampled_from(["append", "fork", "free", "read", "rollback"])
 NOT_COUNTS = st.sampled_from([-1, 1.5, True, None])
 TARGET_TOKEN = 10  # what the target decodes after the accepted drafts: no draft token (at most 10, distinct)
+
+
+def vouched(tokens: object) -> tuple[int, ...] | None:
+    """The tokens as the caller wrote them, if they are token ids; None if it cannot say what was written."""
+    try:
+        return model.check_tokens(tokens, allow_empty=True)
+    except InvalidOperation:
+        return None
+
+
+def extended(held: tuple[int, ...] | None, tokens: object) -> tuple[int, ...] | None:
+    """A sequence's tokens once ``tokens`` were appended."""
+    more = vouched(tokens)
+    return None if held is None or more is None else held + more
+
+
+def rolled_back(held: tuple[int, ...] | None, n: object) -> tuple[int, ...] | None:
+    """A sequence's tokens once its last ``n`` were rolled back; None for a rollback out of contract."""
+    if held is None or not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(held):
+        return None
+    return held[: len(held) - n]
 
 
 def draft_room(manager: model.Manager, seq: SeqId) -> int:
@@ -111,12 +145,16 @@ class BlockManagerMachine(LockstepMachine):
             device: self.subject(
                 device,
                 (model, speculative),
-                model.new_manager(block_pool.new_pool(blocks, policy, self.conventions.pool), block_size),
+                model.new_manager(
+                    block_pool.new_pool(blocks, policy, self.conventions.pool), block_size, self.conventions.manager
+                ),
                 impl.block_manager(impl.block_pool(blocks, policy), block_size),
+                refinement=(model.invariant_manager_refines_spec, model.abstract),
             )
             for device, blocks in (("gpu", gpu_blocks), ("cpu", cpu_blocks))
         }
-        self.where: dict[int, str] = {}  # live sequence -> the device that holds it
+        # The caller's ledger of each device: the sequences it holds there, with the tokens it wrote (None: unknown)
+        self.held: dict[str, dict[int, tuple[int, ...] | None]] = {device: {} for device in self.devices}
         self.next_id = 0
         self.block_size = block_size
         self.prompts: list[list[int]] = []  # every prompt admitted
@@ -128,22 +166,54 @@ class BlockManagerMachine(LockstepMachine):
         return self.next_id - 1
 
     def device_of(self, seq: int) -> Subject:
-        return self.devices[self.where.get(seq, "gpu")]
+        """The device whose ledger holds ``seq`` (the GPU, if none does)."""
+        return self.devices[next((device for device, held in self.held.items() if seq in held), "gpu")]
+
+    def call(self, device: Subject, operation: str, *args: Any, **how: Any) -> Answer | None:
+        """``operation`` on ``device``; what it carried out, the caller's ledger follows."""
+        answer = device(operation, *args, **how)
+        if answer is not None:
+            self.follow(device, operation, args)
+        return answer
+
+    def follow(self, device: Subject, operation: str, args: tuple[Any, ...]) -> None:
+        """The ledger of ``device`` once it carried out ``operation(*args)``: from the call's own arguments.  A
+        second admission of a sequence held, or a write, fork or rollback the caller cannot account for, leaves
+        the sequence held with its tokens unknown."""
+        held = self.held[device.name]
+        match operation, args:
+            case "add_sequence", (seq, prompt):
+                held[seq] = None if seq in held else vouched(prompt)
+            case "append", (seq, tokens):
+                held[seq] = extended(held[seq], tokens) if seq in held else None
+            case "fork", (parent, child):
+                held[child] = None if child in held else held.get(parent)
+            case "rollback", (seq, n) if seq in held:
+                held[seq] = rolled_back(held[seq], n)
+            case "free", (seq,):
+                held.pop(seq, None)
+            case "move_sequences", (target, group):
+                arriving = self.held[target.name]
+                for seq in group:
+                    tokens = held.pop(seq, None)
+                    arriving[seq] = None if seq in arriving else tokens
 
     def write(self, device: Subject, operation: str, seq: int, tokens: list) -> WritePlan | None:
-        answer = device(operation, seq, tokens)
+        """A write, its copies judged before the rest of its plan: a copy too few or too many is what it shows."""
+        answer = self.call(device, operation, seq, tokens, judged_by=None)
         if answer is None:
             self.refused = (device.name, operation, seq, tokens)
             return None
-        self.check(model.invariant_copy_on_write_exact, answer.expected.copies, answer.actual.copies)
-        event("copy-on-write happened" if answer.actual.copies else "write without copy")
-        return answer.actual
+        expected, actual = answer.expected, answer.actual
+        self.check(model.invariant_copy_on_write_exact, expected.copies, actual.copies, against_model=True)
+        self.check(invariant_result_matches_spec, expected, actual, against_model=True)
+        event("copy-on-write happened" if actual.copies else "write without copy")
+        return actual
 
     def add(self, device: str, prompt: list[int], seq: int | None = None) -> int | None:
         seq = self.fresh_id() if seq is None else seq
         if self.write(self.devices[device], "add_sequence", seq, prompt) is None:
             return None
-        self.where[seq] = device
         self.prompts.append(prompt)
         return seq
 
@@ -161,14 +231,15 @@ class BlockManagerMachine(LockstepMachine):
     def extend(self, seq: int, tokens: list[int]) -> WritePlan | None:
         return self.write(self.device_of(seq), "append", seq, tokens)
 
-    def fork_of(self, parent: int) -> int | None:
+    def fork_of(self, parent: int) -> tuple[int, int] | None:
+        """Fork ``parent``: the child, and the blocks the fork allocated (the copy a declared convention makes)."""
         device, child = self.device_of(parent), self.fresh_id()
         before = device.snapshot()
-        if device("fork", parent, child) is None:
+        if self.call(device, "fork", parent, child) is None:
             return None
-        self.check(model.invariant_fork_allocates_nothing, before, device.snapshot(), parent, child)
-        self.where[child] = device.name
-        return child
+        after = device.snapshot()
+        self.check(model.invariant_fork_allocates_nothing, before, after, parent, child, self.conventions.manager)
+        return child, before.pool.num_free - after.pool.num_free
 
     @rule(target=seqs, device=DEVICES, prompt=PROMPTS, data=st.data())
     def add_sequence(self, device: str, prompt: list[int], data: st.DataObject):
@@ -212,37 +283,38 @@ class BlockManagerMachine(LockstepMachine):
     @precondition(lambda self: self.offers("block_manager", "fork"))
     @rule(target=seqs, parent=seqs, data=st.data())
     def fork(self, parent: int, data: st.DataObject):
-        revisited = self.revisit(data, self.where.get(parent, "gpu"))
-        child = self.fork_of(parent)
-        if child is not None:
-            self.maybe_speculate(child, data)
-        return multiple(*revisited, *([] if child is None else [child]))
+        revisited = self.revisit(data, self.device_of(parent).name)
+        forked = self.fork_of(parent)
+        if forked is not None:
+            self.maybe_speculate(forked[0], data)
+        return multiple(*revisited, *([] if forked is None else [forked[0]]))
 
     @precondition(lambda self: self.offers("block_manager", "fork"))
-    @rule(target=seqs, prompt=PROMPTS, n=st.integers(2, 4), data=st.data())
+    @rule(target=seqs, prompt=st.one_of(PROMPTS, LONG_PROMPTS), n=st.integers(2, 4), data=st.data())
     def parallel_sampling(self, prompt: list[int], n: int, data: st.DataObject):
-        """Lecture exercise 4: a prompt, n - 1 forks of it, then each of the n samples writes a token."""
+        """Lecture exercise 4: a prompt, n - 1 forks of it, then each of the n samples writes a token.  Its copies
+        are those the writes made and the blocks the forks allocated (under ``fork_partial_block="copy"``)."""
         revisited = self.revisit(data, "gpu")
         parent = self.add("gpu", prompt)
         samples = [parent] if parent is not None else []
-        while parent is not None and len(samples) < n and (child := self.fork_of(parent)) is not None:
+        copies = 0
+        while parent is not None and len(samples) < n and (forked := self.fork_of(parent)) is not None:
             self.managers_match_spec()
-            samples.append(child)
+            samples.append(forked[0])
+            copies += forked[1]
         plans = []
         for i, sample in enumerate(samples):
             self.managers_match_spec()
             plans.append(self.extend(sample, [10 + i]))
         written = [plan for plan in plans if plan is not None]
         if len(samples) == n and len(written) == n:
-            copies = sum(len(plan.copies) for plan in written)
+            copies += sum(len(plan.copies) for plan in written)
             self.check(model.invariant_parallel_sampling_copies, n, len(prompt), self.block_size, copies)
         return multiple(*revisited, *samples)
 
     @rule(target=freed, seq=consumes(seqs))
     def free(self, seq: int):
-        device = self.device_of(seq)
-        self.where.pop(seq, None)
-        if device("free", seq) is None:
+        if self.call(self.device_of(seq), "free", seq) is None:
             return multiple()
         self.freed_ids.append(seq)
         return seq
@@ -256,8 +328,7 @@ class BlockManagerMachine(LockstepMachine):
     def move_group(self, group: list[int]) -> None:
         source = self.device_of(group[0])
         target = self.devices["cpu" if source.name == "gpu" else "gpu"]
-        if source("move_sequences", target, group) is not None:
-            self.where.update(dict.fromkeys(group, target.name))
+        if self.call(source, "move_sequences", target, group) is not None:
             event(f"moved a group of {len(group)} to the {target.name}")
 
     @precondition(lambda self: self.offers("block_manager", "rollback"))
@@ -265,7 +336,7 @@ class BlockManagerMachine(LockstepMachine):
     def speculate(self, seq: int, data: st.DataObject) -> None:
         """A speculative decode step of ``seq``, or as often of a running sequence with room for a draft (an
         engine drafts for the requests it can)."""
-        roomy = sorted(s for s, d in self.where.items() if self.draft_room_of(s, self.devices[d]))
+        roomy = sorted(s for d, held in self.held.items() for s in held if self.draft_room_of(s, self.devices[d]))
         if bool(roomy) and data.draw(st.booleans(), label="a sequence with room for a draft"):
             seq = data.draw(st.sampled_from(roomy), label="sequence with room")
         self.decode_speculatively(seq, data)
@@ -287,10 +358,10 @@ class BlockManagerMachine(LockstepMachine):
         draft = data.draw(st.lists(TOKENS, min_size=size, max_size=size, unique=True), label="draft tokens")
         if self.extend(seq, draft) is None:
             return
-        held = len(device.model.tokens[seq])
-        rejected = data.draw(rejections(held, len(draft), self.block_size), label="rejected")
+        length = len(device.snapshot().tokens.get(seq, ()))  # the model's may have parted from the manager's
+        rejected = data.draw(rejections(length, len(draft), self.block_size), label="rejected")
         before = device.snapshot()
-        if device("rollback", seq, rejected) is None:
+        if self.call(device, "rollback", seq, rejected) is None:
             return
         after = device.snapshot()
         self.check(speculative.invariant_rollback_keeps_prefix, before, after, seq, rejected)
@@ -308,21 +379,21 @@ class BlockManagerMachine(LockstepMachine):
         if malformed:
             self.write(device, "append", seq, malformed)
         if self.offers("block_manager", "rollback") and seq in device.model.tokens:
-            device("rollback", seq, len(device.model.tokens[seq]) + 1)
-            device("rollback", seq, count)
+            self.call(device, "rollback", seq, len(device.model.tokens[seq]) + 1)
+            self.call(device, "rollback", seq, count)
 
     @rule(seq=freed, operation=OPERATIONS, device=DEVICES)
     def use_after_free(self, seq: int, operation: str, device: str) -> None:
         if operation in ("fork", "rollback") and not self.offers("block_manager", operation):
             operation = "read"
         arguments = {"append": (seq, [1]), "fork": (seq, -1), "free": (seq,), "read": (seq,), "rollback": (seq, 0)}
-        self.devices[device](operation, *arguments[operation], note="freed")
+        self.call(self.devices[device], operation, *arguments[operation], note="freed")
 
     @invariant()
     def managers_match_spec(self) -> None:
         for device in self.devices.values():
             state = device.snapshot()
-            self.check_group(model.STATE, state)
+            self.check_group(model.STATE, state, self.held[device.name])
             self.check(model.invariant_manager_refines_spec, state, model.abstract(device.model))
 
 
@@ -335,3 +406,17 @@ class RealisticBlockManagerMachine(BlockManagerMachine):
 
 TestBlockManager = conformance_test(BlockManagerMachine)
 TestRealisticBlockManager = conformance_test(RealisticBlockManagerMachine, examples=0.2)
+
+
+def copying_fork_reference() -> Implementation:
+    """The reference's fork that copies the partial last block at once (``fork_partial_block="copy"``, HF's)."""
+    return Implementation(
+        name="reference, fork copying the partial block",
+        block_manager=Offer(CopyingForkBlockManager, every_operation("block_manager")),
+        conventions=Conventions(manager=ManagerConventions(fork_partial_block="copy")),
+    )
+
+
+def test_the_reference_copying_at_fork_conforms() -> None:
+    verdict = run_conformance(copying_fork_reference, layers=["block manager"], profile="ci")
+    assert verdict.conforms, str(verdict)

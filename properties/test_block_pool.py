@@ -3,8 +3,12 @@
 The machine holds references the way a block manager would (a multiset of
 blocks it has allocated or shared) and drives allocate / share / release /
 register / lookup / evict, valid and invalid, on tiny pools where exhaustion
-and eviction are common and on a realistic one.  The model follows the
-pool's declared conventions, and only its declared policies are drawn.
+and eviction are common and on a realistic one.  Its ledger -- the references
+it holds, and what it wrote into each block (the hash it registered there, or
+a request's own tokens since the block was handed out) -- follows what the pool
+carried out; the safety rules read it and the pool's own state and answers.
+The model follows the pool's declared conventions, and only its declared
+policies are drawn.
 The search revisits: an allocation refused for want of blocks is retried
 after a release, and a hash whose block was evicted is cached again.  Once
 an example it allocates at the brim, with cached blocks free (``at_the_brim``),
@@ -14,6 +18,7 @@ and every refusal is checked against the pool's own state before the call.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Hashable, Sequence
 
 from hypothesis import event
 from hypothesis import strategies as st
@@ -36,8 +41,13 @@ class BlockPoolMachine(LockstepMachine):
         policy = data.draw(st.sampled_from(self.conventions.pool.policies), label="policy")
         self.record(f"pool = block_pool(capacity={capacity}, policy={policy!r})")
         spec = model.new_pool(capacity, policy, self.conventions.pool)
-        self.pool = self.subject("pool", model, spec, self.implementation.block_pool(capacity, policy))
+        refinement = (model.invariant_pool_refines_spec, model.abstract)
+        self.pool = self.subject(
+            "pool", model, spec, self.implementation.block_pool(capacity, policy), refinement=refinement
+        )
         self.held: Counter[int] = Counter()
+        # What the caller wrote into each block: the hash it registered there, None for a request's own tokens
+        self.written: dict[int, Hashable | None] = dict.fromkeys(range(capacity))
         self.refused = 0  # the blocks of the last allocation refused (0: none pending)
         self.ever_cached: set[str] = set()
         self.probed_the_brim = False
@@ -111,6 +121,7 @@ class BlockPoolMachine(LockstepMachine):
         if any(before.block_hashes[block] is not None for block in answer.actual):
             event("allocation evicted cached free blocks")
         self.held.update(answer.actual)
+        self.written.update(dict.fromkeys(answer.actual))  # each new holder writes its own tokens
         event("allocation exhausted the pool" if not self.pool.model.lru else "allocation left free blocks")
         return list(answer.actual)
 
@@ -158,11 +169,28 @@ class BlockPoolMachine(LockstepMachine):
     def unregistered_held(self) -> list[int]:
         return sorted(b for b in self.held if self.pool.model.block_hashes[b] is None)
 
+    def _register(self, blocks: list[int], block_hashes: list[str], operation: str = "register_blocks") -> bool:
+        """Register ``blocks`` under ``block_hashes`` (one pair: ``register``); whether the pool carried it out.
+        A block the caller holds, filled with its own tokens, now holds the hash's contents; any other registration
+        carried out (a block not held or already registered, hashes not one per block) leaves the caller unable to
+        vouch for the block."""
+        arguments = (blocks[0], block_hashes[0]) if operation == "register" else (blocks, block_hashes)
+        if self.pool(operation, *arguments) is None:
+            return False
+        paired = len(blocks) == len(block_hashes)
+        for block, block_hash in zip(blocks, block_hashes, strict=False):
+            if paired and self.held[block] and block in self.written and self.written[block] is None:
+                self.written[block] = block_hash
+            else:
+                self.written.pop(block, None)
+        return True
+
     @precondition(lambda self: self.unregistered_held())
     @rule(data=st.data(), block_hash=HASHES)
     def register(self, data: st.DataObject, block_hash: str) -> None:
         """Cache a full block the way a block manager does once it fills."""
-        self.pool("register", data.draw(st.sampled_from(self.unregistered_held()), label="block"), block_hash)
+        block = data.draw(st.sampled_from(self.unregistered_held()), label="block")
+        self._register([block], [block_hash], "register")
 
     @rule(block_hash=HASHES)
     def fill_and_cache(self, block_hash: str) -> None:
@@ -170,19 +198,27 @@ class BlockPoolMachine(LockstepMachine):
         if block_hash in self.ever_cached and block_hash not in self.pool.model.cached:
             event("revisit: replayed a prompt after eviction")
         for block in self._allocate(1):
-            if self.pool("register", block, block_hash) is not None:
+            if self._register([block], [block_hash], "register"):
                 self.ever_cached.add(block_hash)
 
     @rule(data=st.data(), block_hash=HASHES)
     def register_any(self, data: st.DataObject, block_hash: str) -> None:
-        self.pool("register", self.some_block(data), block_hash)
+        self._register([self.some_block(data)], [block_hash], "register")
 
     @rule(block_hash=HASHES, data=st.data())
     def lookup(self, block_hash: str, data: st.DataObject) -> None:
         self.revisit(data)
         answer = self.pool("lookup", block_hash)
         if answer is not None:
-            event("lookup hit" if answer.expected is not None else "lookup miss")
+            self.check_hits([block_hash], [] if answer.actual is None else [answer.actual])
+            event("lookup hit" if answer.actual is not None else "lookup miss")
+
+    def check_hits(self, block_hashes: Sequence[str], blocks: Sequence[int]) -> None:
+        """The blocks a lookup answered for the leading ``block_hashes`` hold what was registered under each."""
+        named: dict[Hashable, tuple[int, ...]] = {}
+        for block_hash, block in zip(block_hashes, blocks, strict=False):
+            named[block_hash] = (*named.get(block_hash, ()), block)
+        self.check(model.invariant_no_stale_hit, named, self.written)
 
     @precondition(lambda self: self.offers("block_pool", "register_blocks"))
     @rule(data=st.data())
@@ -196,7 +232,7 @@ class BlockPoolMachine(LockstepMachine):
         if data.draw(st.integers(0, 4), label="out of contract") == 0:
             blocks = [*blocks, self.some_block(data)]
         hashes = data.draw(st.lists(HASHES, min_size=len(blocks), max_size=len(blocks) + 1), label="hashes")
-        self.pool("register_blocks", blocks, hashes[: len(blocks) + data.draw(st.integers(0, 1), label="extra")])
+        self._register(blocks, hashes[: len(blocks) + data.draw(st.integers(0, 1), label="extra")])
 
     @precondition(
         lambda self: self.offers("block_pool", "lookup_prefix") and self.offers("block_pool", "register_blocks")
@@ -207,13 +243,14 @@ class BlockPoolMachine(LockstepMachine):
         everything released last block first."""
         hit = self.pool("lookup_prefix", block_hashes)
         held = list(hit.actual) if hit is not None else []
+        self.check_hits(block_hashes, held)
         if self.pool("share", held) is None:
             return
         self.held.update(held)
         misses = block_hashes[len(held) : len(held) + len(self.pool.model.lru)]
         fresh = self._allocate(len(misses))
         if fresh:
-            self.pool("register_blocks", fresh, misses)
+            self._register(fresh, misses)
             self.ever_cached.update(misses)
         if held or fresh:
             self._release([*held, *fresh][::-1])
@@ -239,6 +276,7 @@ class BlockPoolMachine(LockstepMachine):
     def pool_matches_spec(self) -> None:
         state, pool = self.pool.snapshot(), self.pool.impl
         self.check_group(model.STATE, state, self.held)
+        self.check(model.invariant_no_stale_hit, state.cached, self.written)
         refcounts = [pool.refcount(block) for block in range(state.capacity)]
         self.check(model.invariant_counts_match_snapshot, state, pool.num_free(), refcounts)
         self.check(model.invariant_pool_refines_spec, state, model.abstract(self.pool.model))

@@ -10,11 +10,15 @@ Once an example, with the free space in pieces, requests are sized at the
 brim (``at_the_brim``); every refusal is checked against the allocator's own
 free space before the call.  After every step the arena invariants hold,
 the allocator's ledger is the spec's given each request's true final
-length, and the state is the model's.
+length, and the state is the model's.  The caller keeps its own record of
+each live request (``Request``: what it asked for, what it wrote, its true
+final length), following what the allocator carried out: the ledger is judged
+on it, never on the model.
 """
 
 from __future__ import annotations
 
+import attrs
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
@@ -22,6 +26,15 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import contiguous as model
 from kvspec.spec.contiguous import PLACEMENTS, RESERVATIONS, Placement, Reservation
+
+
+@attrs.define
+class Request:
+    """The caller's record of one live request."""
+
+    asked: int  # the slots it asked for
+    final: int | None  # its true final length; None once an out-of-contract call on it was carried out
+    written: int = 0  # the tokens it wrote
 
 
 class ContiguousMachine(LockstepMachine):
@@ -38,19 +51,21 @@ class ContiguousMachine(LockstepMachine):
         self.record(f"arena = contiguous_allocator(capacity={capacity}, placement={placement!r})")
         self.record(f"# reservation {reservation!r}, maximum length {self.max_length}")
         arena = self.implementation.contiguous_allocator(capacity, placement)
-        self.arena = self.subject("arena", model, model.new_arena(capacity, placement), arena)
-        self.final_lengths: dict[int, int] = {}  # the true final length of each live request
+        refinement = (model.invariant_arena_refines_spec, lambda arena: arena)  # the model is its own abstraction
+        self.arena = self.subject("arena", model, model.new_arena(capacity, placement), arena, refinement=refinement)
+        self.requests: dict[int, Request] = {}  # each live request, as the caller knows it
         self.next_id = 0
         self.probed_the_brim = False
 
     def live(self) -> list[int]:
-        return sorted(self.final_lengths)
+        return sorted(self.requests)
 
     def growing(self) -> list[int]:
-        return [rid for rid in self.live() if self.tokens(rid) < self.final_lengths[rid]]
+        return [rid for rid, r in sorted(self.requests.items()) if r.final is not None and r.written < r.final]
 
-    def tokens(self, request_id: int) -> int:
-        return next(r.tokens for r in self.arena.model.regions if r.request_id == request_id)
+    def final_lengths(self) -> dict[int, int]:
+        """The true final length of each live request, where the caller knows it."""
+        return {rid: r.final for rid, r in self.requests.items() if r.final is not None}
 
     @rule(data=st.data())
     def arrive(self, data: st.DataObject) -> None:
@@ -64,8 +79,7 @@ class ContiguousMachine(LockstepMachine):
         prompt = data.draw(st.integers(1, final - 1), label="prompt")
         slots = model.reserved_slots(self.reservation, prompt, final - prompt, self.max_length)
         request_id, self.next_id = self.next_id, self.next_id + 1
-        if self._allocate(request_id, slots):
-            self.final_lengths[request_id] = final
+        if self._allocate(request_id, slots, final):
             self._append(request_id, prompt)
 
     @rule(data=st.data())
@@ -75,8 +89,7 @@ class ContiguousMachine(LockstepMachine):
         slots = data.draw(st.integers(-1, self.arena.model.capacity + 2), label="slots")
         if request_id == self.next_id:
             self.next_id += 1
-        if self._allocate(request_id, slots):
-            self.final_lengths[request_id] = slots
+        self._allocate(request_id, slots)
 
     @rule(data=st.data())
     def punch_holes(self, data: st.DataObject) -> None:
@@ -91,7 +104,6 @@ class ContiguousMachine(LockstepMachine):
             request_id, self.next_id = self.next_id, self.next_id + 1
             slots = data.draw(st.integers(1, 2), label="slots")
             if self._allocate(request_id, slots):
-                self.final_lengths[request_id] = slots
                 placed.append(request_id)
         for request_id in placed[::2]:
             self._free(request_id)
@@ -119,19 +131,21 @@ class ContiguousMachine(LockstepMachine):
         for slots in (max(piece.size for piece in pieces) + 1, pieces[0].size + 1):
             if model.region_size(self.arena.model.placement, slots) <= largest:
                 request_id, self.next_id = self.next_id, self.next_id + 1
-                if self._allocate(request_id, slots):
-                    self.final_lengths[request_id] = slots
+                self._allocate(request_id, slots)
 
-    def _allocate(self, request_id: int, slots: int) -> bool:
-        """Allocate; a refusal of a fresh request (the allocator left as it was) is checked against its own free
-        space before the call."""
+    def _allocate(self, request_id: int, slots: int, final: int | None = None) -> bool:
+        """Allocate for a request whose true final length is ``final`` (default: every slot it asks for); a refusal
+        of a fresh request (the allocator left as it was) is checked against its own free space before the call.
+        A second allocation for a live request, or one for no slot, carried out: the caller knows no final length."""
         before = self.arena.snapshot()
         answer = self.arena("allocate", request_id, slots)
         if answer is None:
-            if slots >= 1 and request_id not in self.final_lengths and self.arena.snapshot() == before:
+            if slots >= 1 and request_id not in self.requests and self.arena.snapshot() == before:
                 self.check(model.invariant_refused_only_when_no_run_fits, before, slots)
                 event("allocation refused, the free space in pieces" if len(before.free) > 1 else "allocation refused")
             return False
+        out_of_contract = request_id in self.requests or slots < 1
+        self.requests[request_id] = Request(slots, None if out_of_contract else slots if final is None else final)
         if before.free and before.free[0].size < model.region_size(before.placement, slots):
             event("placed past a free block too small for it")
         event(
@@ -148,11 +162,19 @@ class ContiguousMachine(LockstepMachine):
     def append_any(self, data: st.DataObject, n: int) -> None:
         self.maybe_at_the_brim(data)
         request_id = data.draw(st.sampled_from([*self.live(), self.next_id]), label="request")
-        if self._append(request_id, n):
-            self.final_lengths[request_id] = max(self.final_lengths[request_id], self.tokens(request_id))
+        self._append(request_id, n)
 
-    def _append(self, request_id: int, n: int) -> bool:
-        return self.arena("append", request_id, n) is not None
+    def _append(self, request_id: int, n: int) -> None:
+        """Write ``n`` tokens; a request then ends no shorter than what it holds.  A write past what it asked for,
+        or of no count, carried out: the caller knows no final length."""
+        request = self.requests.get(request_id)
+        if self.arena("append", request_id, n) is None or request is None:
+            return
+        if request.final is None or not 0 <= n <= request.asked - request.written:
+            request.final = None
+            return
+        request.written += n
+        request.final = max(request.final, request.written)
 
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
@@ -161,14 +183,15 @@ class ContiguousMachine(LockstepMachine):
 
     def _free(self, request_id: int) -> None:
         if self.arena("free", request_id) is not None:
-            del self.final_lengths[request_id]
+            self.requests.pop(request_id, None)
             event("free merged blocks" if len(self.arena.model.free) <= 1 else "free left several free blocks")
 
     @invariant()
     def arena_matches_spec(self) -> None:
         state = self.arena.snapshot()
         self.check_group(model.ARENA, state)
-        self.check(model.invariant_ledger_exact, self.arena.impl.ledger(self.final_lengths), state, self.final_lengths)
+        final_lengths = self.final_lengths()
+        self.check(model.invariant_ledger_exact, self.arena.impl.ledger(final_lengths), state, final_lengths)
         self.check(model.invariant_arena_refines_spec, state, self.arena.model)
 
 

@@ -7,6 +7,8 @@ writes and loads land, or stay in flight while the device and the host evict.  K
 a three-letter alphabet, as often as not an earlier prompt cut somewhere and extended, so walks end inside
 runs whose write-through is still in flight, and split them.  Every call is checked on the cache's own
 states before and after it: in-flight writes keep their device copies, the host drops only its leaves.
+The caller goes on as the cache answers (what a match hit, how many slots a load back takes, how full the
+device is), and keeps its own ledger of the KV it computed (``computed_for``): what every copy must hold.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class HierarchicalRadixMachine(LockstepMachine):
         built = self.implementation.component(KIND)(host_capacity)
         self.cache = self.subject("cache", model, model.new_hier(host_capacity), built)
         self.next_value = 0
-        self.computed_for: dict[int, Key] = {}  # each KV the caller wrote, and the token it computed it for
+        self.computed_for: dict[int, Key] = {}  # the caller's ledger: each KV it wrote, and the token it is for
         self.prompts: list[tuple[int, ...]] = []
         self.state = self.cache.snapshot()  # the cache's own state after the last call
         for _ in range(requests):
@@ -97,7 +99,7 @@ class HierarchicalRadixMachine(LockstepMachine):
         values, host_hit = answer.actual
         self.check(model.invariant_hicache_hit_read_from_device, before, tuple(key), values)
         event("match: host hit" if host_hit else "match: no host hit")
-        return answer.expected  # the caller goes on as the model says: a finding was filed if they differ
+        return values, host_hit  # the caller goes on as the cache answered
 
     # -- requests ----------------------------------------------------------------------
 
@@ -131,7 +133,8 @@ class HierarchicalRadixMachine(LockstepMachine):
         if host_hit:
             self.call("load_back", key, self.fresh_values(host_hit))
             event("request: host hit loaded back")
-        over = len(self.cache.model.values) + len(key) - len(values) - host_hit - DEVICE_BUDGET
+        on_device = sum(copies.device is not None for copies in self.state.copies.values())
+        over = on_device + len(key) - len(values) - host_hit - DEVICE_BUDGET
         if over > 0:
             self.evict_device(over)
         stored = self.fresh_values(len(key))
@@ -155,7 +158,7 @@ class HierarchicalRadixMachine(LockstepMachine):
         """A load of a key's host hit; with ``extra`` other than 0 the wrong number of slots (out of contract)."""
         self.step(data)
         key = self.drawn_key(data)
-        host_hit = model.runs(self.cache.model, tuple(key))[1]
+        host_hit = model.state_runs(self.state, tuple(key))[1]
         self.call("load_back", key, self.fresh_values(max(0, host_hit + extra)))
 
     @rule(n=st.integers(-1, 6), data=st.data())

@@ -19,6 +19,11 @@ arrive read there in place, so that the last tier holds copies out of arrival
 order (``spec.kv_store_placement``); puts onto a first tier full of copies
 being read are refused for want of room, and a store that carries one out all
 the same is judged on that call by the rules of its own states.
+The safety rules read only the store's own snapshots and answers and the
+caller's ledger: what it wrote under each key (as the store took it), and
+which copies each call asked to go (a remove, a failed store, an evict's or
+the background evictor's answered victims).  The model chooses calls and,
+after every call, judges the declared conventions (the refinement).
 The search revisits: a put, get or replication refused (no unpinned room, a
 dead node) is retried after an unpin, a restart or a settle, and documents
 are served again, often after eviction or a fault took some of their blocks
@@ -29,7 +34,7 @@ them off.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -82,7 +87,8 @@ class KVStoreMachine(LockstepMachine):
         self.record(f"store = kv_store(nodes={nodes}, capacities={capacities}, policies={policies})")
         store = self.implementation.component("kv_store")(nodes, capacities, policies)
         spec = (model, placement)
-        self.store = self.subject("store", spec, model.new_store(nodes, capacities, policies, declared), store)
+        expected = model.new_store(nodes, capacities, policies, declared)
+        self.store = self.subject("store", spec, expected, store, refusal_view=model.kept_by_a_refusal)
         self.written: dict[Key, Tokens] = {}
         self.lost_in_fault: set[Key] = set()
         self.refused: tuple[Callable[..., Any], tuple[Any, ...]] | None = None  # the put, get or replication
@@ -117,62 +123,65 @@ class KVStoreMachine(LockstepMachine):
         operation: str,
         *args: Any,
         judge: Callable[[StoreState, StoreState, Any], None] = lambda before, after, answer: None,
-        released: Sequence[Place] = (),
     ) -> tuple[bool, Any]:
         """Run an operation on both sides and check its transition rules; ``judge`` sees the store before and
         after it and its answer, before that is compared with the spec's.  Where eviction runs in the
         background, ``settle`` follows, checked as a transition of its own.  (ok, the answer)."""
         before = self.store.snapshot()
-        expected_before = model.abstract(self.store.model)
+        modelled = self.modelled()
         targets = {at: ghosts.target for at, ghosts in self.store.model.ghosts.items()}
         answer = self.store(operation, *args, judged_by=None)
         if answer is None:
-            self._judge_refused(operation, args, before)
+            self._refused(operation, args)
+            self._refines(self.store.snapshot())
             return False, None
         if any(ghosts.target != targets.get(at, 0.0) for at, ghosts in self.store.model.ghosts.items()):
             event("an ARC tier adapted its target to a ghost hit")
         after = self.store.snapshot()
+        self._refines(after)
         judge(before, after, answer.actual)
-        self.check(invariants.invariant_result_matches_spec, answer.expected, answer.actual)
-        self.check(model.invariant_pinned_never_evicted, before, after, released)
-        dropped: tuple[Place, ...] = ()
+        self.check(invariants.invariant_result_matches_spec, answer.expected, answer.actual, against_model=True)
+        named = named_to_go(operation, args)
+        self.check(model.invariant_pinned_never_evicted, before, after, named)
+        asked = [*named, *taken(operation, args, answer.actual)]
+        self.check(model.invariant_demotion_keeps_the_block, before, after, asked)
+        self._note_departures(modelled)
         if self.background:
-            settled, dropped = after, self._settle()
-            after = self.store.snapshot()
-            self.check(model.invariant_pinned_never_evicted, settled, after)
-        now = model.abstract(self.store.model).contents
-        chosen = [place for place in expected_before.contents if place not in now] + list(dropped)
-        self.evicted.update(
-            (place, expected_before.contents[place]) for place in chosen if place in expected_before.contents
-        )
-        if before == expected_before:  # which copies had to go is the model's to say only while the two agree
-            self.check(model.invariant_demotion_keeps_the_block, before, after, chosen, against_model=True)
+            self._settle()
         self._note_arrivals()
         return True, answer.actual
 
-    def _judge_refused(self, operation: str, args: tuple[Any, ...], before: StoreState) -> None:
-        """A call the spec refused for want of room that the store carried out all the same: the store's own
-        transition rules still judge it, on its states before and after (``spec.kv_store_placement``)."""
+    def _refines(self, state: StoreState) -> None:
+        """The store against the model of its declared conventions, after every call: a choice it did not declare
+        shows at the call that made it, before a later answer (a victim, a read) parts the two."""
+        expected = model.abstract(self.store.model)
+        self.check(placement.invariant_tier_eviction_order, state, expected)
+        self.check(model.invariant_store_refines_spec, state, expected)
+
+    def _refused(self, operation: str, args: tuple[Any, ...]) -> None:
+        """The store refused the call.  Where the conventions let a put refused for want of room adapt the policy,
+        the model takes the spec's refused put (the caller's ledger is untouched: nothing was written)."""
+        if operation not in ("put", "put_replicated") or not self.conventions.store.refusal_adapts_policy:
+            return
         try:
             self.store.transition(operation)(self.store.model, *args)
-            return
         except OutOfBlocks:
-            after = self.store.snapshot()
+            adapted = model.refused_put(self.store.model, args[0], args[1])
+            if adapted.ghosts != self.store.model.ghosts:
+                event("a refused put adapted an ARC tier to its ghost")
+            self.store.model = adapted
         except KVSpecError:
-            return
-        if after == before:
-            return
-        event("the store carried out a call the spec refused for want of room")
-        if operation in ("put", "put_replicated"):  # a put it carried out: what a hit must read from now on
-            key, tokens = args[1], tuple(args[2])
-            if tokens in (held for (_, k), held in after.contents.items() if k == key):
-                self.written[key] = tokens
-        last = len(before.capacities) - 1
-        left_the_last_tier = [
-            (n, k) for n, tiers in enumerate(before.tiers) for k in tiers[last] if (n, k) not in after.contents
-        ]
-        self.check(model.invariant_pinned_never_evicted, before, after)
-        self.check(model.invariant_demotion_keeps_the_block, before, after, left_the_last_tier)
+            pass
+
+    def modelled(self) -> dict[Place, Tokens]:
+        """The copies the model holds, and their contents: what the machine steers by, never what it judges."""
+        return {place: copy.tokens for place, copy in self.store.model.copies.items()}
+
+    def _note_departures(self, held: dict[Place, Tokens]) -> None:
+        """The copies of ``held`` that left their live node since, as the model has it: a request may store them
+        there again (steered by the model, so that an engine's timing never changes what the machine draws)."""
+        alive, now = self.store.model.alive, self.modelled()
+        self.evicted.update((place, tokens) for place, tokens in held.items() if place not in now and alive[place[0]])
 
     def _note_arrivals(self) -> None:
         """Record when copies reached their node's last tier, and whether its policy's order is not that
@@ -193,18 +202,26 @@ class KVStoreMachine(LockstepMachine):
         order = model.eviction_order(self.store.model, node, len(self.store.model.capacities) - 1)
         return list(order) != sorted(order, key=lambda key: self.arrivals[(node, key)])
 
-    def _settle(self) -> tuple[Place, ...]:
-        """The background evictor's work, done; the copies it dropped."""
+    def _settle(self) -> None:
+        """The background evictor's work, done: it may drop the victims it answers, nothing in use, and no copy
+        from an upper tier that it does not move down."""
+        before = self.store.snapshot()
+        modelled = self.modelled()
         answer = self.store("settle", judged_by=None)
         if answer is None:
-            return ()
-        if self.conventions.store.victims == "engine":
+            return
+        engine_picks = self.conventions.store.victims == "engine"
+        if engine_picks:
             self.store.model = model.evicted_by_engine(self.store.model, answer.actual)
-        else:
-            self.check(invariants.invariant_result_matches_spec, answer.expected, answer.actual)
+        after = self.store.snapshot()
+        self._refines(after)
+        if not engine_picks:
+            self.check(invariants.invariant_result_matches_spec, answer.expected, answer.actual, against_model=True)
+        self.check(model.invariant_pinned_never_evicted, before, after)
+        self.check(model.invariant_demotion_keeps_the_block, before, after, taken("settle", (), answer.actual))
+        self._note_departures(modelled)
         if answer.actual:
             event("the background evictor dropped copies")
-        return tuple(answer.actual)
 
     def node(self, data: st.DataObject) -> int:
         """Mostly a live node; sometimes a dead one or one that does not exist."""
@@ -274,9 +291,7 @@ class KVStoreMachine(LockstepMachine):
 
     def _put(self, node: int, key: Key, tokens: Tokens) -> bool:
         def written(before: StoreState, after: StoreState, _: object) -> None:
-            # What a hit must read from now on, as the store's own state says: the tokens put, unless the
-            # contents under the key are immutable and the store already held it.
-            if self.conventions.store.reput == "refresh" or all(k != key for _, k in before.contents):
+            if took_the_put(before, after, key):
                 self.written[key] = tokens
 
         replicated = len(model.lookup(self.store.model, key)) > 1
@@ -387,7 +402,7 @@ class KVStoreMachine(LockstepMachine):
         wrote: list[bool] = []
 
         def durable(before: StoreState, after: StoreState, _: object) -> None:
-            if self.conventions.store.reput == "refresh" or all(k != key for _, k in before.contents):
+            if took_the_put(before, after, key):
                 self.written[key] = tokens
                 self.check(placement.invariant_replicas_on_distinct_nodes, after, key, tokens, factor)
                 wrote.append(True)
@@ -531,7 +546,7 @@ class KVStoreMachine(LockstepMachine):
                 self.check(model.invariant_failed_store_leaves_miss, after, node, key)
                 event("a pending store failed")
 
-        if self._op("complete", node, key, ok, judge=failed_leaves_miss, released=[] if ok else [(node, key)])[0]:
+        if self._op("complete", node, key, ok, judge=failed_leaves_miss)[0]:
             self.retry_refused()
 
     @precondition(lambda self: self.offers("kv_store", "pending_stores"))
@@ -679,20 +694,53 @@ class KVStoreMachine(LockstepMachine):
         self.check(model.invariant_directory_exact, state)
         self.check(model.invariant_tier_capacity, state)
         self.check(model.invariant_replicas_agree, state)
-        expected = model.abstract(self.store.model)
-        self.check(placement.invariant_tier_eviction_order, state, expected, against_model=True)
-        self.check(model.invariant_store_refines_spec, state, expected)
+        self._refines(state)
 
 
 TestKVStore = conformance_test(KVStoreMachine)
 
 
+def took_the_put(before: StoreState, after: StoreState, key: Key) -> bool:
+    """Whether a put of ``key`` the store carried out wrote it, as the store's own states say: it held no copy of
+    the key, or its copies changed (new contents, a new replica).  A store that held the key and left every copy
+    as it was kept its block -- immutable contents (``reput`` touch or skip) -- and a hit still reads what the
+    caller put first; whichever the store declares, the ledger follows what it did."""
+
+    def copies(state: StoreState) -> dict[Place, Tokens]:
+        return {place: tokens for place, tokens in state.contents.items() if place[1] == key}
+
+    return not copies(before) or copies(after) != copies(before)
+
+
+def named_to_go(operation: str, args: tuple[Any, ...]) -> list[Place]:
+    """The copies a call itself names to go, in the caller's ledger: a removed copy, a store reported failed."""
+    if operation == "remove" or (operation == "complete" and args[2] is False):
+        return [(args[0], args[1])]
+    return []
+
+
+def taken(operation: str, args: tuple[Any, ...], answer: Any) -> list[Place]:
+    """The copies a call asked the store to choose and give up, as the store answered them: ``evict``'s victim,
+    the background evictor's."""
+    if operation == "settle":
+        return list(answer)
+    return [(args[0], answer)] if operation == "evict" and answer is not None else []
+
+
 # -- the reference under every profile of conventions an engine declares ----------------------------------
 
 PROFILES = {
-    "one node, one tier, pending stores, ARC (vLLM's CPU offloading)": StoreConventions(
-        tiers=("cpu",), max_nodes=1, policies=("lru", "arc"), reput="touch", stores="pending"
+    "one node, one tier, pending stores, ARC that learns from a refused store (vLLM's CPU offloading)": (
+        StoreConventions(
+            tiers=("cpu",),
+            max_nodes=1,
+            policies=("lru", "arc"),
+            reput="touch",
+            stores="pending",
+            refusal_adapts_policy=True,
+        )
     ),
+    "ARC in every tier, learning from a refused put": StoreConventions(policies=("arc",), refusal_adapts_policy=True),
     "DRAM over SSD, immutable, read in place (LMCache)": StoreConventions(
         tiers=("cpu", "ssd"), max_nodes=1, policies=("lru", "lfu"), reput="skip", promotion=False
     ),

@@ -19,8 +19,9 @@ implementation record like the cache under test (``tiny_model``,
 ``contiguous_kv_cache``; the reference's unless replaced), and so does the
 benchmark's fast decode kernel (``decode_attention``), checked below against
 formula (4) written out in numpy.  Rules for prefix hits and swap round trips
-slot in as further ``@rule`` methods that change ``self.paged.model``,
-``self.paged`` and ``self.twin`` together.
+slot in as further ``@rule`` methods that change ``self.paged`` and
+``self.twin`` together, and the caller's ledger of the sequences it holds
+(``held``), which follows what the paged side carried out.
 """
 
 from __future__ import annotations
@@ -60,13 +61,14 @@ class PagedAttentionMachine(LockstepMachine):
         capacity = max(1, TOKEN_BUDGET // block_size + slack)
         self.record(f"paged, twin = caches(block_size={block_size}, capacity={capacity} blocks)")
         implementation = self.implementation
-        self.model = implementation.tiny_model(**SIZES)
+        self.network = implementation.tiny_model(**SIZES)  # the language model both caches serve
         policy = self.conventions.pool.policies[0]
         manager = implementation.block_manager(implementation.block_pool(capacity, policy), block_size)
-        cache = implementation.paged_kv_cache(manager, self.model.config.kv_shape)
-        expected = model.new_manager(block_pool.new_pool(capacity, policy, self.conventions.pool), block_size)
-        self.paged = self.subject("paged", model, expected, cache, snapshot=lambda: manager.snapshot())
-        self.twin = implementation.contiguous_kv_cache(self.model.config.kv_shape)
+        cache = implementation.paged_kv_cache(manager, self.network.config.kv_shape)
+        spec_manager = model.new_manager(block_pool.new_pool(capacity, policy, self.conventions.pool), block_size)
+        self.paged = self.subject("paged", model, spec_manager, cache, snapshot=lambda: manager.snapshot())
+        self.twin = implementation.contiguous_kv_cache(self.network.config.kv_shape)
+        self.held: set[int] = set()  # the caller's ledger: the sequences the paged cache holds for it
         self.chunk = st.lists(TOKENS, min_size=1, max_size=min(2 * block_size + 1, 20))
         self.decode_or_chunk = st.one_of(st.lists(TOKENS, min_size=1, max_size=1), self.chunk)
         self.copies = 0
@@ -76,10 +78,10 @@ class PagedAttentionMachine(LockstepMachine):
         self.refused: tuple[int, list[int]] | None = None  # the admission or extension refused last
 
     def live(self) -> list[int]:
-        return sorted(self.paged.model.tables)
+        return sorted(self.held)
 
     def free_slots(self) -> list[int]:
-        return [seq for seq in range(SLOTS) if seq not in self.paged.model.tables]
+        return [seq for seq in range(SLOTS) if seq not in self.held]
 
     def nearest_live(self, slot: int) -> int:
         """The drawn slot if it is live, else the next live one (cyclically): stable as other slots change."""
@@ -87,7 +89,7 @@ class PagedAttentionMachine(LockstepMachine):
 
     def admit(self, seq: int, tokens: Sequence[int]) -> Sequence[int] | None:
         """Add or extend ``seq`` on both sides; the positions to compute, or None if rejected."""
-        extending = seq in self.paged.model.tables
+        extending = seq in self.held
         operation = "append" if extending else "add_sequence"
         answer = self.paged(operation, seq, list(tokens), judged_by=None)
         if answer is None:
@@ -95,8 +97,9 @@ class PagedAttentionMachine(LockstepMachine):
             return None
         getattr(self.twin, operation)(seq, tokens)
         if extending:
-            self.copies += len(answer.expected.copies)
+            self.copies += len(answer.actual.copies)
             return tokens
+        self.held.add(seq)
         self.generation[seq] = 0
         self.prompts.append((seq, list(tokens)))
         return tokens[answer.actual :]  # add_sequence answers how many leading tokens were cached
@@ -107,8 +110,8 @@ class PagedAttentionMachine(LockstepMachine):
         if not batch:
             return
         self.record(f"forward({batch})")
-        paged = self.model.forward(self.paged.impl, batch)
-        contiguous = self.model.forward(self.twin, batch)
+        paged = self.network.forward(self.paged.impl, batch)
+        contiguous = self.network.forward(self.twin, batch)
         self.check(spec.invariant_paged_equals_contiguous, [seq for seq, _ in batch], paged, contiguous)
         event(f"batch of {len(batch)}, {'mixed' if len({len(t) > 1 for _, t in batch}) > 1 else 'uniform'}")
 
@@ -145,12 +148,13 @@ class PagedAttentionMachine(LockstepMachine):
     def fork_both(self, parent: int, child: int) -> bool:
         if self.paged("fork", parent, child) is None:
             return False
+        self.held.add(child)
         self.twin.fork(parent, child)
         self.generation[child] = self.generation[parent] + 1
         self.deepest_fork = max(self.deepest_fork, self.generation[child])
         return True
 
-    @precondition(lambda self: self.paged.model.tables and self.forks())
+    @precondition(lambda self: self.held and self.forks())
     @rule(slot=SEQS, tokens=st.lists(TOKENS, min_size=2, max_size=4))
     def parallel_sampling(self, slot: int, tokens: list[int]) -> None:
         """The parent goes on as sample 0 beside its forks: the first writer copies on write."""
@@ -158,7 +162,7 @@ class PagedAttentionMachine(LockstepMachine):
         samples = [parent] + [child for child in self.free_slots()[: len(tokens) - 1] if self.fork_both(parent, child)]
         self.admit_and_forward([(seq, [token]) for seq, token in zip(samples, tokens, strict=False)])
 
-    @precondition(lambda self: self.paged.model.tables and self.forks())
+    @precondition(lambda self: self.held and self.forks())
     @rule(
         slots=st.lists(SEQS, min_size=1, max_size=MAX_BEAM),
         tokens=st.lists(TOKENS, min_size=MAX_BEAM, max_size=MAX_BEAM),
@@ -177,6 +181,7 @@ class PagedAttentionMachine(LockstepMachine):
 
     def free_both(self, seq: int) -> None:
         if self.paged("free", seq) is not None:
+            self.held.discard(seq)
             self.twin.free(seq)
 
     @rule(seq=SEQS)

@@ -59,7 +59,7 @@ def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
     return first, second, third
 
 
-def forgotten(before: block_pool.Pool, after: block_pool.Pool) -> int:
+def forgotten(before: block_pool.PoolState, after: block_pool.PoolState) -> int:
     """Cached blocks whose hash an operation dropped: evictions."""
     return sum(1 for old, new in zip(before.block_hashes, after.block_hashes, strict=True) if old not in (None, new))
 
@@ -84,8 +84,8 @@ class PagedLifecycleMachine(LockstepMachine):
             f"gpu, cpu, twin = caches(block_size={block_size}, gpu={capacity} blocks, cpu={cpu_capacity}, {policy})"
         )
         implementation = self.implementation
-        self.model = implementation.tiny_model(**SIZES)
-        shape = self.model.config.kv_shape
+        self.network = implementation.tiny_model(**SIZES)  # the language model both caches serve
+        shape = self.network.config.kv_shape
 
         def paged_cache(blocks: int) -> PagedKVCache:
             pool = implementation.block_pool(blocks, policy)
@@ -105,7 +105,11 @@ class PagedLifecycleMachine(LockstepMachine):
             st.integers(0, len(texts[0])),
             st.lists(TOKENS, max_size=block_size),
         )
-        self.history: dict[int, list[np.ndarray]] = {}  # the twin's logits of each position, per live sequence
+        # the caller's ledger, kept from what the paged side carried out: the tokens of each live sequence (on the
+        # GPU or the CPU) and the twin's logits of each of its positions
+        self.tokens: dict[int, list[int]] = {}
+        self.history: dict[int, list[np.ndarray]] = {}
+        self.gpu_held: set[int] = set()  # the sequences the GPU cache holds (the others of history are on the CPU)
         self.swapped: list[tuple[int, ...]] = []  # groups on the CPU, in the order they left
         self.admitted: list[tuple[int, list[int], int]] = []  # (slot, prompt, evictions then) of every admission
         self.refused: tuple[int, list[int]] | None = None  # the admission or extension refused last
@@ -114,7 +118,7 @@ class PagedLifecycleMachine(LockstepMachine):
     # -- where sequences are ---------------------------------------------------------
 
     def on_gpu(self) -> list[int]:
-        return sorted(self.gpu.model.manager.tables)
+        return sorted(self.gpu_held)
 
     def empty_slots(self) -> list[int]:
         return [seq for seq in range(SLOTS) if seq not in self.history]
@@ -128,24 +132,25 @@ class PagedLifecycleMachine(LockstepMachine):
 
     def admit(self, seq: int, tokens: Sequence[int], why: str) -> Sequence[int] | None:
         """Add or extend ``seq`` on the GPU; the positions its forward computes, or None if rejected."""
-        before = self.gpu.model.manager.pool
-        if seq in self.gpu.model.manager.tables:
+        before = self.gpu.snapshot().pool
+        if seq in self.gpu_held:
             if self.gpu("append", seq, list(tokens), judged_by=None) is None:
                 return None
             computed = tokens
         else:
-            pool_before = self.gpu.snapshot().pool
             answer = self.gpu("add_sequence", seq, list(tokens), judged_by=None)
             if answer is None:
                 return None
+            self.gpu_held.add(seq)
             size, cached = self.block_size, answer.actual
             hashes = self.gpu.impl.manager.block_hashes(list(tokens))
-            self.check(model.invariant_hits_stop_at_first_miss, pool_before, hashes, cached, size)
+            self.check(model.invariant_hits_stop_at_first_miss, before, hashes, cached, size)
             hits = cached // size
             event(f"{why}: hit of {hits if hits < 4 else '4+'} blocks")
             computed = tokens[cached:]
-        if forgotten(before, self.gpu.model.manager.pool):
-            self.evictions += forgotten(before, self.gpu.model.manager.pool)
+        evicted = forgotten(before, self.gpu.snapshot().pool)
+        if evicted:
+            self.evictions += evicted
             event("a write evicted cached blocks")
         return computed
 
@@ -154,12 +159,9 @@ class PagedLifecycleMachine(LockstepMachine):
         if not batch:
             return
         self.record(f"gpu forward({[(seq, list(tokens)) for seq, tokens in batch]})")
-        paged = self.model.forward(self.gpu.impl, batch)
-        expected = []
-        for seq, tokens in batch:
-            end = len(self.gpu.model.manager.tokens[seq])
-            expected.append(np.stack(self.history[seq][end - len(tokens) : end]))
-        self.check(paged_attention.invariant_paged_equals_contiguous, [seq for seq, _ in batch], paged, expected)
+        paged = self.network.forward(self.gpu.impl, batch)
+        twins = [np.stack(self.history[seq][len(self.history[seq]) - len(tokens) :]) for seq, tokens in batch]
+        self.check(paged_attention.invariant_paged_equals_contiguous, [seq for seq, _ in batch], paged, twins)
 
     def run_batch(self, entries: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
         """One iteration: admit or extend each entry on both sides, then one ragged forward each; who ran."""
@@ -171,24 +173,29 @@ class PagedLifecycleMachine(LockstepMachine):
                 continue
             if seq in self.history:
                 self.twin.append(seq, tokens)
+                self.tokens[seq] += tokens
             else:
                 self.twin.add_sequence(seq, tokens)
-                self.history[seq] = []
+                self.tokens[seq], self.history[seq] = list(tokens), []
                 self.admitted.append((seq, list(tokens), self.evictions))
             paged_batch.append((seq, computed))
             twin_batch.append((seq, tokens))
         if twin_batch:
-            for (seq, _), logits in zip(twin_batch, self.model.forward(self.twin, twin_batch), strict=True):
+            for (seq, _), logits in zip(twin_batch, self.network.forward(self.twin, twin_batch), strict=True):
                 self.history[seq].extend(logits)
         self.forward(paged_batch)
         return [seq for seq, _ in paged_batch]
 
-    def free_both(self, seq: int) -> bool:
-        return self.gpu("free", seq) is not None
+    def free_gpu(self, seq: int) -> bool:
+        """Free ``seq`` on the GPU; whether it was."""
+        if self.gpu("free", seq) is None:
+            return False
+        self.gpu_held.discard(seq)
+        return True
 
     def forget(self, seq: int) -> None:
         self.twin.free(seq)
-        del self.history[seq]
+        del self.tokens[seq], self.history[seq]
 
     # -- rules -------------------------------------------------------------------------
 
@@ -233,15 +240,16 @@ class PagedLifecycleMachine(LockstepMachine):
         parent = self.nearest(self.on_gpu(), parent, default=parent)  # none on the GPU: rejected
         child = self.nearest(self.empty_slots(), child, default=child)
         if self.gpu("fork", parent, child) is not None:
+            self.gpu_held.add(child)
             self.twin.fork(parent, child)
-            self.history[child] = list(self.history[parent])
+            self.tokens[child], self.history[child] = list(self.tokens[parent]), list(self.history[parent])
 
     @rule(slot=SEQS)
     def free(self, slot: int) -> None:
         """The nearest sequence on the GPU; a swapped-out one (its blocks are on the CPU) must be rejected."""
         swapped = {seq for group in self.swapped for seq in group}
         seq = slot if slot in swapped else self.nearest(self.on_gpu(), slot, default=slot)
-        if self.free_both(seq):
+        if self.free_gpu(seq):
             self.forget(seq)
 
     @precondition(lambda self: self.offers_both("swap"))
@@ -250,6 +258,7 @@ class PagedLifecycleMachine(LockstepMachine):
         """A group leaves for the CPU, all or nothing; with nothing on the GPU the move must be rejected."""
         group = tuple(sorted({self.nearest(self.on_gpu(), slot, default=slot) for slot in slots}))
         if self.gpu("move_sequences", self.cpu, group, judged_by=None) is not None:
+            self.gpu_held -= set(group)
             self.swapped.append(group)
             event(f"swap out: group of {len(group)}")
 
@@ -258,11 +267,12 @@ class PagedLifecycleMachine(LockstepMachine):
     def swap_in(self, index: int, token: int) -> None:
         """A group comes back to the GPU and decodes in the same iteration, as a scheduler resumes it."""
         group = self.swapped[index % len(self.swapped)] if self.swapped else (index,)  # none: rejected
-        before = self.gpu.model.manager.pool
+        before = self.gpu.snapshot().pool
         if self.cpu("move_sequences", self.gpu, group, judged_by=None) is None:
             return
+        self.gpu_held |= set(group)
         self.swapped.remove(group)
-        if forgotten(before, self.gpu.model.manager.pool):
+        if forgotten(before, self.gpu.snapshot().pool):
             event("a swap-in evicted cached blocks")
         if self.run_batch([(seq, [token]) for seq in group]):
             event("decode after a swap round trip")
@@ -273,8 +283,8 @@ class PagedLifecycleMachine(LockstepMachine):
         if not self.on_gpu():
             return
         seq = self.nearest(self.on_gpu(), slot, default=slot)
-        tokens = self.gpu.model.manager.tokens[seq]
-        if not self.free_both(seq):
+        tokens = self.tokens[seq]
+        if not self.free_gpu(seq):
             return
         computed = self.admit(seq, tokens, "recompute")
         if computed is None:

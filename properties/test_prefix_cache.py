@@ -30,24 +30,32 @@ blocks only when the forward has run (``commit="after_forward"``): requests
 commit after each forward, and some are aborted -- freed -- before theirs.  The machine learns the relation between the implementation's hashes
 and the spec's ideal keys as it sees them, requires it to stay a bijection,
 and compares states through it.  Every pool and manager invariant is checked
-as well.
+as well.  What a safety rule compares the implementation with -- the tokens a
+sequence must read back, the prompt a hit must match -- is the caller's
+ledger of what it wrote to each sequence (``written``), which follows what
+the implementation carried out, never the model.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import attrs
+import pytest
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
+from kvspec.impl.broken import prefix_cache as broken_prefix_cache
 from kvspec.properties.alphabets import EDGE_TOKENS, RICH_KEYS, TOKEN_WRAPS, near_misses
-from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.properties.harness import LockstepMachine, conformance_test, run_machine
+from kvspec.properties.loading import load_implementation
 from kvspec.properties.test_block_manager import TARGET_TOKEN, draft_room, draft_sizes, rejections, rollback_event
 from kvspec.spec import block_manager, block_pool, speculative
 from kvspec.spec import prefix_cache as model
 from kvspec.spec.block_manager import blocks_for
-from kvspec.spec.errors import KVSpecError, OutOfBlocks
+from kvspec.spec.conventions import Conventions, PoolConventions
+from kvspec.spec.errors import InvalidOperation, KVSpecError, OutOfBlocks
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import invariant_result_matches_spec
 from kvspec.spec.prefix_cache import max_hit_blocks
@@ -67,6 +75,16 @@ class Refusal(NamedTuple):
     seq: int
     args: tuple[object, ...]
     cached: CachedBlocks | None
+
+
+def well_formed(tokens: list[int], extra_key: model.ExtraKey) -> bool:
+    """Whether the caller wrote token ids under an extra key that is data: what ``block_hashes`` hashes."""
+    try:
+        block_manager.check_tokens(tokens, allow_empty=True)
+        model.check_extra_key(extra_key)
+    except InvalidOperation:
+        return False
+    return True
 
 
 def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
@@ -100,6 +118,9 @@ class PrefixCacheMachine(LockstepMachine):
         )
         self.manager = self.subject("manager", model, spec, impl)
         self.block_size = block_size
+        # the caller's ledger: the tokens it wrote to each sequence it holds, and the sequence's extra key
+        self.written: dict[int, list[int]] = {}
+        self.extra_keys: dict[int, model.ExtraKey] = {}
         self.pairs: set[tuple[object, model.IdealKey]] = set()
         texts = documents(block_size)
         self.prompts = st.builds(
@@ -144,9 +165,29 @@ class PrefixCacheMachine(LockstepMachine):
             self.check(model.invariant_hash_iff_prefix, self.pairs)
         return hashes
 
-    def learn_sequence(self, seq: int) -> None:
-        if seq in self.manager.model.manager.tokens:
-            self.learn(self.manager.model.manager.tokens[seq], self.manager.model.extra_keys[seq])
+    # -- the caller's ledger: what the implementation carried out ------------------------
+
+    def carried_out(self, operation: str, seq: int, *args: Any) -> None:
+        """Record a call the implementation carried out: what the caller has written to which sequence."""
+        if operation == "add_sequence":
+            self.written[seq], self.extra_keys[seq] = list(args[0]), args[1]
+        elif operation == "append":
+            self.written.setdefault(seq, []).extend(args[0])
+        elif operation == "rollback" and seq in self.written:
+            del self.written[seq][len(self.written[seq]) - args[0] :]
+        elif operation == "fork":
+            self.written[args[0]] = list(self.written.get(seq, []))
+            self.extra_keys[args[0]] = self.extra_keys.get(seq)
+        elif operation == "free":
+            self.written.pop(seq, None)
+            self.extra_keys.pop(seq, None)
+
+    def call(self, operation: str, seq: int, *args: Any) -> bool:
+        """A call the ledger follows; whether the implementation carried it out."""
+        if self.manager(operation, seq, *args) is None:
+            return False
+        self.carried_out(operation, seq, *args)
+        return True
 
     # -- operations ----------------------------------------------------------------
 
@@ -157,22 +198,25 @@ class PrefixCacheMachine(LockstepMachine):
             if self.refused_for_room(operation, seq, args):  # the ones a scheduler retries
                 self.refusals.append(Refusal(operation, seq, args, self.cached_blocks(operation, args)))
             return False
-        expected, actual = answer.expected, answer.actual
+        self.carried_out(operation, seq, *args)
+        plan = answer.actual
         after = self.manager.snapshot()
         size = self.block_size
-        self.learn_sequence(seq)
-        prompt = self.manager.model.manager.tokens[seq]
+        tokens, extra_key = self.written[seq], self.extra_keys.get(seq)
+        if not well_formed(tokens, extra_key):
+            return True  # an out-of-contract write carried out: its finding is the contract's, nothing to hash
+        hashes = self.learn(tuple(tokens), extra_key)
+        hits: tuple[int, ...] = ()
         if operation == "add_sequence":
-            hashes = self.manager.impl.block_hashes(prompt, self.manager.model.extra_keys[seq])
-            self.check(model.invariant_hits_stop_at_first_miss, before.pool, hashes, actual.cached_tokens, size)
-        hits = after.tables[seq][: actual.cached_tokens // size] if operation == "add_sequence" else ()
-        self.check(model.invariant_hit_is_exact_prefix, before.pool, after.contents, hits, prompt, size)
-        self.check(block_manager.invariant_copy_on_write_exact, expected.copies, actual.copies)
-        self.check(invariant_result_matches_spec, expected.cached_tokens, actual.cached_tokens, against_model=True)
+            self.check(model.invariant_hits_stop_at_first_miss, before.pool, hashes, plan.cached_tokens, size)
+            hits = after.tables.get(seq, ())[: plan.cached_tokens // size]
+            self.check(model.invariant_hit_is_exact_prefix, before.pool, after.contents, hits, tokens, size)
+        self.check(block_manager.invariant_copy_on_write_exact, answer.expected.copies, plan.copies)
+        self.check(invariant_result_matches_spec, answer.expected.cached_tokens, plan.cached_tokens, against_model=True)
         allocated = [
             b for b, r in enumerate(before.pool.refcounts) if r == 0 < after.pool.refcounts[b] and b not in hits
         ]
-        allocated += [copy for _, copy in actual.copies]
+        allocated += [copy for _, copy in plan.copies]
         self.check(model.invariant_evicts_only_what_is_needed, before.pool, after.pool, allocated)
         forgotten = sum(
             1 for b, h in enumerate(before.pool.block_hashes) if h not in (None, after.pool.block_hashes[b])
@@ -180,7 +224,7 @@ class PrefixCacheMachine(LockstepMachine):
         self.evictions += forgotten
         if forgotten:
             event("a write evicted cached blocks")
-        event("prefix hit" if actual.cached_tokens else "no hit")
+        event("prefix hit" if plan.cached_tokens else "no hit")
         return True
 
     @rule(seq=SEQS, data=st.data(), same_slot=st.booleans())
@@ -192,8 +236,8 @@ class PrefixCacheMachine(LockstepMachine):
         earlier, prompt, extra_key = self.request(data)
         if earlier is not None:
             seq = earlier if same_slot and earlier != REQUEST else seq
-            if seq in self.manager.model.manager.tables:
-                self.manager("free", seq)
+            if seq in self.written:
+                self.call("free", seq)
         if not self.admit(seq, prompt, extra_key, earlier):
             self.make_room(data)
         else:
@@ -206,10 +250,10 @@ class PrefixCacheMachine(LockstepMachine):
         for the waiting prompt.  Then the waiting request, refused last, is retried, as the head of the waiting
         queue is at the next step."""
         waiting = self.refusals[-1] if self.refusals else None
-        running = sorted(self.manager.model.manager.tables)
+        running = sorted(self.written)
         finishing = st.just(running) | st.lists(st.sampled_from(running), unique=True) if running else st.just([])
         for seq in data.draw(finishing, label="requests that finish"):
-            self.manager("free", seq)
+            self.call("free", seq)
         if data.draw(st.booleans(), label="the cache is trimmed"):
             everything = self.manager.model.manager.pool.capacity  # vLLM's reset_prefix_cache
             self.evict(data.draw(st.integers(1, 3) | st.just(everything), label="blocks trimmed"))
@@ -227,7 +271,7 @@ class PrefixCacheMachine(LockstepMachine):
 
     def decode(self, seq: int, data: st.DataObject, label: str) -> None:
         """A decode step of ``seq``: two in three speculative, if it is running and rollback is offered."""
-        running = seq in self.manager.model.manager.tables and self.offers("prefix_caching_manager", "rollback")
+        running = seq in self.written and self.offers("prefix_caching_manager", "rollback")
         if running and data.draw(st.sampled_from([True, True, False]), label="speculative"):
             self.decode_speculatively(seq, data)
         else:
@@ -249,7 +293,7 @@ class PrefixCacheMachine(LockstepMachine):
         self.forward(REQUEST)
         self.decode(REQUEST, data, "decoded")
         self.forward(REQUEST)
-        self.manager("free", REQUEST)
+        self.call("free", REQUEST)
         return admitted
 
     # -- speculative decoding ------------------------------------------------------------
@@ -281,11 +325,11 @@ class PrefixCacheMachine(LockstepMachine):
             return
         if data.draw(st.booleans(), label="a request hits the draft before its verification"):
             self.hit_draft(seq)
-        held = len(self.manager.model.manager.tokens[seq])
+        held = len(self.written[seq])
         rejected = data.draw(rejections(held, size, self.block_size), label="rejected")
         before = self.manager.snapshot()
         pending = self.manager.model.pending.get(seq, ())
-        if self.manager("rollback", seq, rejected) is not None:
+        if self.call("rollback", seq, rejected):
             after = self.manager.snapshot()
             if self.manager.model.pending.get(seq, ()) != pending:
                 event("speculate: rolled back into a pending block")
@@ -297,10 +341,9 @@ class PrefixCacheMachine(LockstepMachine):
 
     def hit_draft(self, seq: int) -> None:
         """Admit, in a free slot if there is one, a request whose prompt is ``seq``'s tokens and one more."""
-        manager = self.manager.model
-        free = [slot for slot in range(REQUEST) if slot not in manager.manager.tables]
+        free = [slot for slot in range(REQUEST) if slot not in self.written]
         if free:
-            self.admit(free[0], [*manager.manager.tokens[seq], TARGET_TOKEN], manager.extra_keys[seq])
+            self.admit(free[0], [*self.written[seq], TARGET_TOKEN], self.extra_keys.get(seq))
 
     # -- deferred commit ---------------------------------------------------------------
 
@@ -328,7 +371,7 @@ class PrefixCacheMachine(LockstepMachine):
         self.admit(REQUEST, prompt, extra_key, earlier)
         if self.manager.model.pending.get(REQUEST):
             event("abort before commit")
-        self.manager("free", REQUEST)
+        self.call("free", REQUEST)
         if data.draw(st.booleans(), label="the next request in its slot"):  # its blocks, handed out again
             _, prompt, extra_key = self.request(data)
             self.serve(data, prompt, extra_key, None)
@@ -412,8 +455,8 @@ class PrefixCacheMachine(LockstepMachine):
             return
         if self.changed_since(refusal):
             event("revisit: retried a refused admission after its cached blocks changed")
-        if refusal.seq in self.manager.model.manager.tables:
-            self.manager("free", refusal.seq)
+        if refusal.seq in self.written:
+            self.call("free", refusal.seq)
         self.admit(refusal.seq, *refusal.args)  # type: ignore[arg-type]
 
     @rule(seq=SEQS, append=st.booleans(), data=st.data())
@@ -429,12 +472,12 @@ class PrefixCacheMachine(LockstepMachine):
     @precondition(lambda self: self.offers("prefix_caching_manager", "fork"))
     @rule(parent=SEQS, child=SEQS)
     def fork(self, parent: int, child: int) -> None:
-        self.manager("fork", parent, child)
+        self.call("fork", parent, child)
 
     @rule(seq=SEQS, data=st.data())
     def free(self, seq: int, data: st.DataObject) -> None:
         """Finish a request; then, as often as not, the scheduler retries a write it was refused."""
-        if self.manager("free", seq) is not None:
+        if self.call("free", seq):
             self.maybe_retry(data, "then a refused write again")
 
     @rule(data=st.data())
@@ -504,7 +547,7 @@ class PrefixCacheMachine(LockstepMachine):
         rename = {block_hash: key for block_hash, key in self.pairs}
         self.check(model.invariant_cached_block_holds_its_prefix, model.rename_hashes(state, rename))
         self.check(block_pool.invariant_eviction_order, expected.pool.free_queue, state.pool.free_queue)
-        for seq, tokens in self.manager.model.manager.tokens.items():
+        for seq, tokens in self.written.items():
             self.check(model.invariant_reuse_preserves_read_back, seq, self.manager.impl.read(seq), tokens)
         self.check(block_manager.invariant_manager_refines_spec, model.rename_hashes(state, rename), expected)
 
@@ -551,3 +594,20 @@ def test_extra_key_separates_equal_prompts(kv_implementation: Implementation) ->
     manager.add_sequence(0, list(range(9)), extra_key="adapter-a")
     assert manager.add_sequence(1, list(range(9)), extra_key="adapter-b").cached_tokens == 0
     assert manager.add_sequence(2, list(range(9)), extra_key="adapter-a").cached_tokens == 8
+
+
+def over_a_pool_keeping_duplicate_hashes() -> Implementation:
+    """The zoo's pool that keeps duplicate hashes under the reference managers, declaring it (as vLLM's pool does)."""
+    member = load_implementation(f"{broken_prefix_cache.__name__}:keeps_duplicate_hashes")
+    return attrs.evolve(member, conventions=Conventions(pool=PoolConventions(duplicate_hash="keep")))
+
+
+@pytest.mark.parametrize("machine", [PrefixCacheMachine, DeferredCommitMachine])
+def test_the_reference_managers_conform_over_a_pool_keeping_duplicate_hashes(machine: type[LockstepMachine]) -> None:
+    """A block the pool caches but ``lookup`` does not name (a duplicate, registered second) is cached all the
+    same: a commit skips it, and a rollback into it copies it before the next write."""
+    outcome = run_machine(machine, over_a_pool_keeping_duplicate_hashes())
+    assert not outcome.findings, "\n".join(
+        f"{f.tier}: {f.detail}\n    " + "\n    ".join(f.steps) for f in outcome.findings
+    )
+    assert outcome.statistics.operations["rollback"], "no example rolled back"

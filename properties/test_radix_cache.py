@@ -7,7 +7,8 @@ finishes by unlocking.  Keys are short strings over a three-letter alphabet,
 drawn without looking at the state (so paths branch and nodes split often,
 and a failure shrinks to a few steps) -- or an earlier request's prompt
 again, often after eviction took part of it; a refused lock or unlock is
-retried once the tree has changed.  The second has a radix cache and a
+retried once the tree has changed.  The caller keeps its own ledger of the
+locks the cache took (``locked``): an eviction must leave every path in it.  The second has a radix cache and a
 chained-hash prefix-caching manager with room to spare serve the same
 requests (add, append, free, lookup); asked the same prefix, their hits must
 agree at block granularity.
@@ -15,12 +16,13 @@ agree at block granularity.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
 from hypothesis import event
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, consumes, initialize, invariant, rule
+from hypothesis.stateful import Bundle, MultipleResults, consumes, initialize, invariant, multiple, rule
 
 from kvspec.properties.harness import LockstepMachine, conformance_test
 from kvspec.spec import block_pool, radix_conventions
@@ -48,7 +50,7 @@ def drawn_key(data: st.DataObject, earlier: list[tuple[int, ...]], *, min_size: 
 class RadixCacheMachine(LockstepMachine):
     uses = frozenset({"radix_cache"})
     judges = ("radix_cache", "block_pool", "invariants")
-    running = Bundle("running")  # (key, extra key) of each running request: what it holds locked
+    running = Bundle("running")  # (key, extra key) of each running request: what it locked
 
     @initialize()
     def start(self) -> None:
@@ -60,6 +62,7 @@ class RadixCacheMachine(LockstepMachine):
         self.prompts: list[tuple[list[int], int]] = []  # each request's prompt, with the evictions before it
         self.evicted = 0  # tokens evicted so far
         self.refused: tuple[str, list[int]] | None = None  # the lock or unlock refused last
+        self.locked: Counter[model.Key] = Counter()  # the caller's ledger: each path it holds locked, how often
         self.inserted: list[tuple[list[int], int]] = []  # each key inserted alone, with the evictions before it
 
     # -- the radix cache against its model ---------------------------------------------
@@ -102,7 +105,7 @@ class RadixCacheMachine(LockstepMachine):
         if self.refused is not None and data.draw(st.booleans(), label="retry the refused call first"):
             (operation, key), self.refused = self.refused, None
             event("revisit: retried a rejected call")
-            if self.radix(operation, key, *self.namespace(self.extra_key)) is None:
+            if not self.lock_call(operation, key, self.extra_key):
                 self.refused = (operation, key)
         if bool(self.prompts + self.inserted) and data.draw(st.booleans(), label="an earlier prompt again"):
             key = self.earlier_prompt(data, self.prompts + self.inserted)
@@ -137,30 +140,52 @@ class RadixCacheMachine(LockstepMachine):
         if retry and self.refused is not None:
             (operation, key), self.refused = self.refused, None
             event("revisit: retried a rejected call")
-        if self.radix(operation, key, *self.namespace(self.extra_key)) is None:
+        if not self.lock_call(operation, key, self.extra_key):
             self.refused = (operation, key)
 
+    def lock_call(self, operation: str, key: list[int], extra_key: str | None) -> bool:
+        """A lock or unlock of ``key``; whether the cache carried it out.  The caller's ledger of the locks it
+        holds (``locked``) follows: a lock the cache took is held until an unlock it carried out releases it."""
+        before = self.radix.snapshot()
+        if self.radix(operation, key, *self.namespace(extra_key)) is None:
+            return False
+        path = self.locked_path(before, key, extra_key)
+        if path and operation == "lock":
+            self.locked[path] += 1
+        elif path and self.locked[path] > 0:
+            self.locked[path] -= 1
+        return True
+
+    def locked_path(self, before: model.RadixState, key: list[int], extra_key: str | None) -> model.Key:
+        """The path a lock or unlock of ``key`` names: the key, or (locks by handle) the node where the key's
+        longest cached prefix ends, in the cache's own state when asked."""
+        radix = self.conventions.radix
+        named = model.name_tokens(key[: len(key) - len(key) % radix.page_size], radix.page_size, extra_key)
+        return named[: len(model.longest_cached(before, named))] if radix.lock_by == "handle" else named
+
     @rule(target=running, key=st.lists(TOKENS, min_size=1, max_size=6), data=st.data())
-    def start_request(self, key: list[int], data: st.DataObject) -> tuple[list[int], str | None]:
+    def start_request(self, key: list[int], data: st.DataObject) -> MultipleResults[tuple[list[int], str | None]]:
         """SGLang's admission: match the prompt, evict least recently used leaves to make room for the rest
         within a budget of cached tokens, cache it, and lock the whole path while the request runs.  As often
-        as not the prompt is an earlier request's, met again after the tree changed.  A prompt is whole pages."""
+        as not the prompt is an earlier request's, met again after the tree changed.  A prompt is whole pages.
+        The request runs, holding its lock, if the cache took the lock."""
         key += [0] * (-len(key) % self.conventions.radix.page_size)
         if bool(self.prompts) and data.draw(st.booleans(), label="an earlier prompt"):
             key = self.earlier_prompt(data, self.prompts)
         self.prompts.append((key, self.evicted))
         matched = self.match(key)
-        over_budget = len(self.radix.model.values) + len(key) - matched - CACHE_BUDGET
+        over_budget = len(self.radix.snapshot().values) + len(key) - matched - CACHE_BUDGET
         if over_budget > 0:
             self.evict_both(over_budget)
         self.radix("insert", key, self.values_for(key, corrupt=False), *self.namespace(self.extra_key))
-        self.radix("lock", key, *self.namespace(self.extra_key))
-        return key, self.extra_key
+        if not self.lock_call("lock", key, self.extra_key):
+            return multiple()
+        return multiple((key, self.extra_key))
 
     @rule(request=consumes(running))
     def finish_request(self, request: tuple[list[int], str | None]) -> None:
         key, extra_key = request
-        self.radix("unlock", key, *self.namespace(extra_key))
+        self.lock_call("unlock", key, extra_key)
 
     @rule(n=st.integers(-1, 8), data=st.data())
     def evict(self, n: int, data: st.DataObject) -> None:
@@ -172,7 +197,9 @@ class RadixCacheMachine(LockstepMachine):
         answer = self.radix("evict", n, judged_by=block_pool.invariant_eviction_order)
         if answer is None:
             return
-        self.check_group(model.EVICTION, before, self.radix.snapshot(), answer.actual, n)
+        after = self.radix.snapshot()
+        self.check(model.invariant_radix_locked_never_evicted, model.locked_paths(self.locked), before, after)
+        self.check(model.invariant_radix_evicts_what_was_asked, before, after, answer.actual, n)
         self.evicted += len(answer.actual)
         event("evicted from a tree with locks" if before.locks and answer.actual else "evicted without locks")
 

@@ -15,7 +15,10 @@ not offer; this machine drives the page manager's request lifecycle itself.
 
 After every operation the model's state is the implementation's and every
 rule of ``radix_pages.STATE`` holds; each eviction's slots are whole pages;
-each refused admission is checked against the manager's own state before it.
+each refused admission or decode is checked against the manager's own state
+before it.  The caller goes on as the manager answers: which requests run and
+what tokens each has (``tokens``) is its own ledger, kept from the calls the
+manager carried out.
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ from hypothesis import event, target
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
+from kvspec.conformance import run_conformance
+from kvspec.impl.radix_pages import LastFreedFirstPageManager, RadixPageManager
 from kvspec.properties.harness import Answer, LockstepMachine, conformance_test
 from kvspec.spec import radix_cache
 from kvspec.spec import radix_pages as model
+from kvspec.spec.conventions import Conventions, RadixConventions
+from kvspec.spec.implementation import Implementation
 
 TOKENS = st.integers(0, 9)
 INCIDENTS = ("none", "none", "stop string", "preempt", "trim")
@@ -55,11 +62,13 @@ class RadixPagesMachine(LockstepMachine):
         self.texts = documents(page_size)
         self.queue: list[tuple[int, tuple[int, ...], int]] = []  # (id, tokens, tokens left to generate)
         self.running: dict[int, int] = {}  # id -> tokens left to generate, in admission order
+        self.tokens: dict[int, tuple[int, ...]] = {}  # id -> the tokens the caller has given each running request
         self.prompts: list[tuple[tuple[int, ...], int]] = []  # each prompt admitted, with the evictions then
         self.next_id = 0
         self.evicted = 0  # tokens evicted by the engine's trims so far
         self.quiescent = 0  # times no request ran while the cache held tokens
         self.probed_the_brim = False
+        self.sent = False  # whether the last call reached the manager (``call``)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -100,12 +109,12 @@ class RadixPagesMachine(LockstepMachine):
             while self.queue:
                 rid, tokens, left = self.queue[0]
                 answer = self.admit(rid, tokens)
-                if answer is None or answer.expected is None or answer.actual is None:
-                    break  # it waits; refused on one side only, that is this step's finding
+                if answer is None or answer.actual is None:
+                    break  # the manager makes it wait
                 self.queue.pop(0)
                 self.running[rid] = left
                 self.prompts.append((tokens, self.evicted))
-                event(f"admission hit {answer.expected // self.page_size} pages")
+                event(f"admission hit {answer.actual // self.page_size} pages")
             for rid in list(self.running):
                 if rid in self.running:
                     self.decode(data, rid)
@@ -139,7 +148,7 @@ class RadixPagesMachine(LockstepMachine):
         """A request admitted past the queue that leaves at once, its pages cached."""
         rid = self.next_id = self.next_id + 1
         answer = self.admit(rid, tokens)
-        if answer is not None and answer.expected is not None and answer.actual is not None:
+        if answer is not None and answer.actual is not None:
             self.running[rid] = 0
             self.leave(rid, keep=True, why=why)
 
@@ -153,6 +162,8 @@ class RadixPagesMachine(LockstepMachine):
         before = self.state
         answer = self.call("admit", rid, tokens)
         needed, room = model.room(before, rid, tokens)
+        if answer is not None and answer.actual is not None:
+            self.tokens[rid] = tokens
         if answer is not None and answer.actual is None:  # refused (None is a call out of contract, or spared)
             self.check(model.invariant_pages_refused_only_when_short, before, rid, tokens)
             self.check(model.invariant_pages_refusal_leaves_nothing, before, self.state)
@@ -166,13 +177,15 @@ class RadixPagesMachine(LockstepMachine):
     def decode(self, data: st.DataObject, rid: int) -> None:
         """One token; with no page for it, the latest admitted request is preempted (perhaps this one) and it tries again."""
         while rid in self.running:
-            tokens, before = self.pages.model.requests[rid].tokens, self.state
-            token = (7 * rid + 3 * len(tokens)) % 10
+            before, token = self.state, (7 * rid + 3 * len(self.tokens[rid])) % 10
             if self.call("decode", rid, token) is not None:
+                self.tokens[rid] += (token,)
                 self.running[rid] -= 1
                 if self.running[rid] == 0:
                     self.leave(rid, keep=True, why="finished")
                 return
+            if not self.sent:
+                return  # not sent (see ``call``): no page was refused
             if rid in before.requests:  # refused by a manager that runs it: it had to find no page
                 self.check(model.invariant_pages_refused_only_when_short, before, rid, (token,))
             latest = list(self.running)[-1]
@@ -181,7 +194,7 @@ class RadixPagesMachine(LockstepMachine):
                 return  # the preemption was refused: this step's finding, and no page will come
 
     def preempt(self, rid: int, keep: bool, why: str) -> bool:
-        tokens, left = self.pages.model.requests[rid].tokens, self.running[rid]
+        tokens, left = self.tokens[rid], self.running[rid]
         if not self.leave(rid, keep, why=f"preempted ({why}), {'cached' if keep else 'dropped'}"):
             return False
         self.queue.insert(0, (rid, tokens, left))
@@ -190,9 +203,9 @@ class RadixPagesMachine(LockstepMachine):
     def leave(self, rid: int, keep: bool, why: str) -> bool:
         if self.call("release", rid, keep) is None:
             return False
-        del self.running[rid]
+        del self.running[rid], self.tokens[rid]
         event(why)
-        if not self.running and self.pages.model.radix.values:
+        if not self.running and self.state.cache.values:
             self.quiescent += 1
             event("quiescent with a cache")
         return True
@@ -202,8 +215,8 @@ class RadixPagesMachine(LockstepMachine):
         answer = self.call("evict", num_tokens)
         if answer is not None:
             self.check(model.invariant_pages_evicted_whole, answer.actual, self.page_size)
-            self.evicted += len(answer.expected)
-            event("cache trimmed" if answer.expected else "cache trim found nothing evictable")
+            self.evicted += len(answer.actual)
+            event("cache trimmed" if answer.actual else "cache trim found nothing evictable")
 
     # -- abort, drain, calls out of contract ---------------------------------------------
 
@@ -243,8 +256,13 @@ class RadixPagesMachine(LockstepMachine):
 
     def call(self, operation: str, *args: Any) -> Answer | None:
         """``operation`` on both sides, then every rule over the state: after each call, not each rule, so that
-        a state a step passes through (no request running, between a finish and an admission) is checked."""
+        a state a step passes through (no request running, between a finish and an admission) is checked.
+        ``self.sent`` says whether the call reached the manager: one the model holds out of contract is not sent
+        to a manager that trusts its caller (and once the model has parted from the manager, it may hold so a
+        call on a request the manager runs), so an answer of None is the manager's refusal only if it was sent."""
+        steps = type(self).statistics.steps
         answer = self.pages(operation, *args)
+        self.sent = type(self).statistics.steps > steps
         impl = self.pages.impl
         self.state = state = impl.snapshot()
         self.check_group(model.STATE, state, impl.evictable_size(), impl.protected_size(), impl.available_size())
@@ -258,3 +276,43 @@ class RadixPagesMachine(LockstepMachine):
 
 
 TestRadixPages = conformance_test(RadixPagesMachine)
+
+
+def last_freed_first_reference() -> Implementation:
+    """The reference page manager handing out the page freed last first (``page_reuse="last_freed_first"``,
+    SGLang's paged allocator)."""
+    return Implementation(
+        name="reference, the page freed last reused first",
+        radix_page_manager=LastFreedFirstPageManager,
+        conventions=Conventions(radix=RadixConventions(page_reuse="last_freed_first")),
+    )
+
+
+def test_the_reference_reusing_the_last_freed_page_conforms() -> None:
+    verdict = run_conformance(last_freed_first_reference, layers=["radix pages"], profile="ci")
+    assert verdict.conforms, str(verdict)
+
+
+def test_the_leaf_evicted_last_is_reused_first() -> None:
+    """Two cached prompts evicted, the older first: a new request is given the page of the one evicted last under
+    ``last_freed_first`` (under ``lowest_first``, the lowest page), in the model and the reference alike."""
+    calls: list[tuple[Any, ...]] = [
+        ("admit", 1, (1, 2)),
+        ("admit", 2, (3, 4)),
+        ("release", 1, True),
+        ("release", 2, True),
+        ("evict", 4),
+        ("admit", 3, (5, 6)),
+    ]
+    choices: list[tuple[type[RadixPageManager], RadixConventions, tuple[int, ...]]] = [
+        (RadixPageManager, RadixConventions(page_reuse="lowest_first"), (0, 1)),
+        (LastFreedFirstPageManager, RadixConventions(page_reuse="last_freed_first"), (2, 3)),
+    ]
+    for manager, declared, slots in choices:
+        pages, spec = manager(4, 2), model.new_pages(4, 2, declared)
+        for operation, *args in calls:
+            getattr(pages, operation)(*args)
+            result = getattr(model, operation)(spec, *args)
+            spec = result[0] if isinstance(result, tuple) else result
+        assert pages.snapshot() == model.abstract(spec)
+        assert pages.snapshot().requests[3].slots == slots

@@ -13,20 +13,24 @@ accepted request fits the GPU alone, so each must finish by the deadline
 
 The engine-shaped machines run the scheduler over prefix-caching managers
 (``CachedSchedulerMachine``: prompts cut from three documents, so admissions
-hit, and every admission's cached tokens are the spec's) and under the
-priority policy (``PrioritySchedulerMachine``: victims that arrived first,
-grants given back); in both, requests may arrive not ready and are marked
-ready later.
+hit, and every admission reports the cached tokens its own manager supplied)
+and under the priority policy (``PrioritySchedulerMachine``: victims that
+arrived first, grants given back); in both, requests may arrive not ready
+and are marked ready later.
 
-Search revisits, in every lockstep machine: ``retry_rejected`` sends again
-the last call the spec refused (or an accepted request under its id again);
-``arrive_earlier_prompt`` admits an earlier request's prompt under a new id
--- while the first is unfinished, after it finished, and (over the cache)
-after its blocks were evicted.
+Safety is judged on the implementation: its snapshots, its step reports, the
+plans its manager answered, and the caller's ledger of what it was answered
+(the requests the implementation accepted and when, the transfers it showed
+in flight).  Search revisits, in every lockstep machine: ``retry_refused``
+sends again the last call the implementation refused (or an accepted request
+under its id again); ``arrive_earlier_prompt`` admits an earlier request's
+prompt under a new id -- while the first is unfinished, after it finished,
+and (over the cache) after its blocks were evicted.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from typing import Any, ClassVar
 
@@ -84,10 +88,20 @@ def victims_with_grants(state: model.Model) -> set[int]:
     return taken
 
 
-def watch_plans(manager: Any, plans: list[tuple[Any, int]]) -> bool:
+def answered(plans: list[tuple[Any, int]]) -> dict[int, int]:
+    """The cached tokens a manager's plans supplied each request's admission: its first sequence's (a group's
+    other samples fork from it)."""
+    supplied: dict[int, int] = {}
+    for seq, cached in plans:
+        supplied.setdefault(seq[0], cached)
+    return supplied
+
+
+def watch_plans(manager: Any, plans: list[tuple[Any, int]]) -> None:
     """Record in ``plans`` the cached tokens of every plan ``manager`` answers an admission with: the scheduler
-    reports its own probe's, and the manager may tell it otherwise (a value it memoized).  False when the
-    manager takes no attribute of ours (then nothing is recorded)."""
+    reports its own probe's, and the manager may tell it otherwise (a value it memoized).  Nothing is recorded
+    of a manager that takes no attribute of ours, or that the scheduler does not call (vLLM's scheduler runs
+    its own): no admission is judged by ``invariant_hits_probed_at_admission`` then."""
     add_sequence = manager.add_sequence
 
     def recorded(seq: Any, *args: Any, **kwargs: Any) -> Any:
@@ -95,11 +109,8 @@ def watch_plans(manager: Any, plans: list[tuple[Any, int]]) -> bool:
         plans.append((seq, plan.cached_tokens))
         return plan
 
-    try:
+    with contextlib.suppress(AttributeError):
         manager.add_sequence = recorded
-    except AttributeError:
-        return False
-    return True
 
 
 GPU_BLOCKS, WATERMARKS = st.integers(3, 8), st.integers(0, 2)
@@ -153,6 +164,7 @@ class SchedulerMachineBase(LockstepMachine):
         self.arrivals: dict[int, tuple[int, int]] = {}  # request -> (step it arrived after, unfinished then)
         self.longest = 0  # the largest max_new_tokens accepted so far: M of the deadline
         self.preemptions: Counter[Preemption] = Counter()
+        self.fit_alone = True  # every request the implementation accepted fits the GPU alone, by the caller's sums
         self.bounded = self.policy == "fcfs"  # the deadline holds under fcfs while every request arrives ready
         self.in_flight: dict[int, tuple[str, frozenset[int]]] = {}  # transfers: direction, blocks when they began
 
@@ -198,16 +210,23 @@ class SchedulerMachineBase(LockstepMachine):
             sends_kv=sends,
         )
 
-    def accepted(self, request: Request, state: SchedulerState) -> None:
+    def accepted(self, request: Request) -> None:
+        """The implementation took ``request``: its deadline counts from the implementation's own state now."""
+        state = self.scheduler.impl.snapshot()
         self.arrivals[request.request_id] = (state.steps, len(state.groups))
         self.longest = max(self.longest, request.max_new_tokens)
-        self.bounded = self.bounded and request.ready and not (request.remote_prompt or request.sends_kv)
+        gpu_blocks, _, block_size = self.sizes
+        self.fit_alone = self.fit_alone and model.peak_blocks(request, block_size) <= gpu_blocks
+        self.bounded = (
+            self.bounded and self.fit_alone and request.ready and not (request.remote_prompt or request.sends_kv)
+        )
         event("arrival accepted" if request.ready else "arrival accepted, not ready")
 
     def stepped(self, before: SchedulerState, report: StepReport) -> None:
         after = self.scheduler.impl.snapshot()
         self.check_state(after)
-        if self.policy == "fcfs" and not before.transfers:  # a transfer holds blocks the oldest may need
+        # the oldest is safe from preemption under fcfs when it fits alone and no transfer holds blocks it may need
+        if self.policy == "fcfs" and self.fit_alone and not before.transfers:
             self.check(preemption.invariant_oldest_never_preempted, before, report)
         loads = {rid for rid, (direction, _) in self.in_flight.items() if direction == "load"}
         self.check(kv_transfer.invariant_no_decode_before_load_lands, loads, after, report)
@@ -287,10 +306,11 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
         self.scheduler.spec = (model, kv_transfer)
         self.scheduler.model = model.new_model(self.memory(gpu_blocks), self.memory(cpu_blocks), self.config)
         self.requests: list[Request] = []  # every request accepted, in arrival order
-        self.rejected: tuple[str, Any] | None = None  # the last call the spec refused
+        self.rejected: tuple[str, Any] | None = None  # the last call the implementation refused
         self.admitted: set[int] = set()
         self.plans: list[tuple[Any, int]] = []  # (sequence, cached tokens) the GPU manager planned in this step
-        self.plans_watched = self.caching and watch_plans(self.scheduler.impl.gpu, self.plans)
+        if self.caching:
+            watch_plans(self.scheduler.impl.gpu, self.plans)
         self.stopped_at: tuple[int, CachedBlocks] | None = None  # the request admission stopped at, its hits then
         if data is not None and self.transfers and self.offers("scheduler", "kv_transfer"):
             self.open_with_transfers(data)
@@ -322,10 +342,10 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
         pool = block_pool.new_pool(capacity, "lru", self.conventions.pool)
         if self.caching:
             return prefix_cache.new_caching_manager(self.sizes[2], pool)
-        return block_manager.new_manager(pool, self.sizes[2])
+        return block_manager.new_manager(pool, self.sizes[2], self.conventions.manager)
 
     def call(self, operation: str, argument: Any) -> bool:
-        """``operation(argument)`` on both sides; remembers it if the spec refused it."""
+        """``operation(argument)`` on both sides; whether the implementation carried it out (remembered if not)."""
         refused = self.scheduler(operation, argument) is None
         if refused:
             self.rejected = (operation, argument)
@@ -333,7 +353,7 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
 
     def arrive(self, request: Request) -> None:
         if self.call("arrive", request):
-            self.accepted(request, model.abstract(self.scheduler.model))
+            self.accepted(request)
             self.requests.append(request)
 
     @rule(
@@ -419,17 +439,16 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
             answer = self.scheduler("step", judged_by=None)
             if answer is None:
                 return
-            self.check(admission.invariant_hits_probed_at_admission, answer.expected, answer.actual, against_model=True)
-            if self.plans_watched:  # the manager's own report of each admission, beside the scheduler's
-                told = StepReport(cached_tokens=tuple((seq[0], cached) for seq, cached in self.plans if seq[1] == 0))
-                self.check(admission.invariant_hits_probed_at_admission, answer.expected, told, against_model=True)
-            self.check(invariant_result_matches_spec, answer.expected, answer.actual)
-            self.stepped(before, answer.actual)
+            report = answer.actual
+            if self.plans:  # what the scheduler's own manager supplied the step's admissions, beside its report
+                self.check(admission.invariant_hits_probed_at_admission, answered(self.plans), report.cached_tokens)
+            self.check(invariant_result_matches_spec, answer.expected, report)
+            self.stepped(before, report)
             expected = model.abstract(self.scheduler.model)
             self.check(invariant_scheduler_refines_spec, self.scheduler.impl.snapshot(), expected)
-            self.reached(spec_before, self.scheduler.model, answer.expected)
-            self.admitted.update(answer.expected.admitted)
-            for _, cached in answer.expected.cached_tokens:
+            self.reached(spec_before, self.scheduler.model, report)
+            self.admitted.update(report.admitted)
+            for _, cached in report.cached_tokens:
                 hits = cached // self.sizes[2]
                 event(f"admission hit {hits if hits < 3 else '3+'} blocks" if self.caching else "admission")
 
@@ -462,17 +481,19 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
         """An unfinished request (often) or an unknown id; a request cut short by a stop string is aborted too."""
         request_id = self.unfinished(index)
         if self.call("abort", request_id):
-            del self.arrivals[request_id]
+            self.arrivals.pop(request_id, None)
 
     def end_transfer(self, rid: int, outcome: str, abort_first: bool) -> None:
         """``rid``'s transfer ends ``outcome``; its request, if loading and ``abort_first``, aborted first."""
         loading = any(g.request.request_id == rid and g.location == "loading" for g in self.scheduler.model.groups)
         if abort_first and loading and self.call("abort", rid):
-            del self.arrivals[rid]
+            self.arrivals.pop(rid, None)
             event("aborted while its load was in flight")
         if self.scheduler("finish_transfer", rid, outcome) is None:
             return
-        direction, _ = self.in_flight.pop(rid)
+        direction, _ = self.in_flight.pop(rid, ("", frozenset()))
+        if not direction:  # no transfer of this request was in flight, as the implementation had shown it
+            return
         owner = any(g.request.request_id == rid for g in self.scheduler.model.groups) or direction == "send"
         event(f"{direction} ended {outcome}" + ("" if owner else " after its request was aborted"))
         if direction == "load" and outcome != "done":
@@ -578,9 +599,10 @@ class CachedSchedulerMachine(LockstepSchedulerMachine):
     """The engine's shape: preemption, abort and re-admission over prefix-caching managers, requests not ready.
 
     Prompts are cuts of three documents with a short tail, so admissions hit; a hit is probed again at every
-    attempt, and every admission's cached tokens must be the spec's.  Preemption is drawn: by recompute (vLLM
-    V1's only way) a victim's prompt blocks wait in the free queue, cached, and its re-admission revives them;
-    by swap it resumes without a probe.  The engine may trim the cache between two attempts (``evict``).
+    attempt, and every admission reports the cached tokens its own manager supplied it (``watch_plans``).
+    Preemption is drawn: by recompute (vLLM V1's only way) a victim's prompt blocks wait in the free queue,
+    cached, and its re-admission revives them; by swap it resumes without a probe.  The engine may trim the
+    cache between two attempts (``evict``).
     """
 
     caching: ClassVar[bool] = True  # no transfers: a prefix cache hashes a landing zone before its KV lands
@@ -650,7 +672,7 @@ class DeadlockFreedomMachine(SchedulerMachineBase):
         request = self.draw_request(data)
         try:
             self.scheduler("arrive", request)
-            self.accepted(request, self.scheduler.impl.snapshot())
+            self.accepted(request)
         except RequestTooLarge:
             event("arrive rejected with RequestTooLarge")
         self.step(then_steps)

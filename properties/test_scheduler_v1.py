@@ -3,10 +3,14 @@
 A tiny device (3-6 blocks of 1-4 tokens) and a small budget (2-14 tokens, 2-4 requests running)
 make chunked prefills and recompute preemption the common case.  Requests arrive in bursts --
 new prompts cut from three documents, so admissions hit, or an earlier prompt again, or a
-malformed or too-large request -- are aborted, and the scheduler steps; every request accepted
-fits alone.  After every step the scheduler's state is the model's (block numbers aside), every
-pool and manager rule holds on the device, the layer's rules over memory and preemption hold
-(``as_layer``), and, under ``fcfs``, every request finishes by its deadline.
+malformed or too-large request -- are aborted, and the scheduler steps.  After every step the
+scheduler's state is the model's (block numbers aside), every pool and manager rule holds on the
+device, the layer's rules over memory and preemption hold (``as_layer``), and, under ``fcfs``,
+the oldest is never preempted and every request finishes by its deadline -- while the premises
+of deadlock freedom hold: every request the implementation accepted fits alone (the caller's
+sums), and its own running then waiting requests have stayed in arrival order.  Safety is judged
+on the implementation's snapshots and reports, the plans its manager answered and the caller's
+ledger of the requests it accepted, never on the model.
 ``PriorityTokenBudgetMachine`` runs the same rules under the priority policy, where a victim may
 have been served earlier in the step and gives its tokens back.
 
@@ -27,6 +31,7 @@ from hypothesis.stateful import initialize, invariant, rule
 
 from kvspec.properties.harness import ConformanceTest, LockstepMachine
 from kvspec.properties.loading import load_implementation
+from kvspec.properties.test_scheduler import answered, watch_plans
 from kvspec.spec import admission, block_manager, block_pool, preemption, prefix_cache, scheduler
 from kvspec.spec import scheduler_v1 as shape
 from kvspec.spec import scheduler_v1_model as model
@@ -44,6 +49,11 @@ def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
     first = tuple((3 * i + 1) % 10 for i in range(3 * block_size + 1))
     second = first[:block_size] + tuple((t + 5) % 10 for t in first[block_size:])
     return first, second, tuple(9 - t for t in first)
+
+
+# budget beyond one token per running request: tight in half the examples, where most prefills come in chunks
+# and a running request lacks more than the step has left (the zoo's budget and chunking bugs show only there)
+TIGHT_OR_ANY = st.one_of(st.integers(0, 2), st.integers(0, 10))
 
 
 class TokenBudgetMachine(LockstepMachine):
@@ -65,7 +75,7 @@ class TokenBudgetMachine(LockstepMachine):
         capacity=st.integers(3, 6),
         block_size=st.integers(1, 4),
         max_running=st.integers(2, 4),
-        spare_budget=st.integers(0, 10),
+        spare_budget=TIGHT_OR_ANY,
         chunked=st.booleans(),
         reserve=st.booleans(),
     )
@@ -84,6 +94,12 @@ class TokenBudgetMachine(LockstepMachine):
         self.requests: list[Request] = []
         self.arrivals: dict[int, tuple[int, int]] = {}  # request -> (the step it arrived after, unfinished then)
         self.longest = self.longest_output = 0  # L and M of the deadline
+        # deadlock freedom's premises under fcfs, read off the caller's sums and the implementation's own state:
+        # every request it accepted fits alone, and its running then waiting requests were in arrival order at
+        # every step (a scheduler that queues its victims elsewhere may preempt the oldest: a convention)
+        self.bounded = self.policy == "fcfs"
+        self.plans: list[tuple[Any, int]] = []  # (sequence, cached tokens) the manager planned in this step
+        watch_plans(manager, self.plans)
         self.preemptions = 0
 
     # -- arrivals -----------------------------------------------------------------------
@@ -109,13 +125,16 @@ class TokenBudgetMachine(LockstepMachine):
         return Request(self.next_id, prompt, max_new_tokens, priority=priority)
 
     def arrive(self, arrival: Request) -> None:
+        """``arrival``; once the implementation took it, its deadline counts from the implementation's own state."""
         if self.scheduler("arrive", arrival) is None:
             return
-        state = model.abstract(self.scheduler.model)
+        state = self.scheduler.impl.snapshot()
         self.requests.append(arrival)
         self.arrivals[arrival.request_id] = (state.steps, len(state.entries))
         self.longest = max(self.longest, len(arrival.prompt) + arrival.max_new_tokens)
         self.longest_output = max(self.longest_output, arrival.max_new_tokens)
+        longest = len(arrival.prompt) + arrival.max_new_tokens
+        self.bounded = self.bounded and longest <= self.most_tokens() and arrival.n == 1
 
     @rule(
         data=st.data(),
@@ -156,7 +175,7 @@ class TokenBudgetMachine(LockstepMachine):
         unfinished = list(self.scheduler.model.entries)
         request_id = unfinished[index] if index < len(unfinished) else index + 100
         if self.scheduler("abort", request_id) is not None:
-            del self.arrivals[request_id]
+            self.arrivals.pop(request_id, None)
 
     # -- steps --------------------------------------------------------------------------
 
@@ -172,22 +191,25 @@ class TokenBudgetMachine(LockstepMachine):
     def step(self, count: int) -> None:
         for _ in range(count):
             before = self.scheduler.impl.snapshot()
+            self.plans.clear()
             answer = self.scheduler("step", judged_by=None)
             if answer is None:
                 return
-            expected, actual = answer.expected, answer.actual
+            actual = answer.actual
             after = self.scheduler.impl.snapshot()
-            layer_before, layer_report = shape.as_layer(before), shape.as_layer_report(actual)
-            spec_report = shape.as_layer_report(expected)
+            layer_before = shape.as_layer(before)
+            layer_report = shape.as_layer_report(actual)
             # the step's own rules first: a finding at this step is filed under the first that failed
             self.check(shape.invariant_token_budget_kept, before, after, actual)
             self.check(preemption.invariant_preempted_keeps_no_grant, layer_report)
-            if self.policy == "fcfs":
+            self.bounded = self.bounded and shape.in_arrival_order(before)
+            if self.bounded:
                 self.check(preemption.invariant_oldest_never_preempted, layer_before, layer_report)
             self.check(shape.invariant_preemption_stops_admission, actual)
             self.check(preemption.invariant_victims_rank_below_survivors, layer_before, layer_report)
-            self.check(admission.invariant_hits_probed_at_admission, spec_report, layer_report, against_model=True)
-            self.check(invariant_result_matches_spec, expected, actual)
+            if self.plans:  # the step's admissions through the manager the scheduler was handed
+                self.check(admission.invariant_hits_probed_at_admission, answered(self.plans), actual.cached_tokens)
+            self.check(invariant_result_matches_spec, answer.expected, actual)
             self.preemptions += len(actual.preempted)
             for _, cached in actual.cached_tokens:
                 event("admission hit" if cached else "admission, no hit")
@@ -213,7 +235,8 @@ class TokenBudgetMachine(LockstepMachine):
         self.check(preemption.invariant_no_leak_across_preemption, layer)
         self.check(shape.invariant_kv_holds_computed_tokens, state)
         self.check(shape.invariant_queue_in_arrival_order, state)
-        if self.policy == "fcfs":
+        self.bounded = self.bounded and shape.in_arrival_order(state)
+        if self.bounded:
             deadlines = {
                 rid: shape.deadline(after, k, self.longest, self.longest_output, self.config.token_budget)
                 for rid, (after, k) in self.arrivals.items()

@@ -54,11 +54,14 @@ class TieredSwapMachine(LockstepMachine):
         impl = self.implementation
         pool = block_pool.new_pool(blocks, policy, self.conventions.pool)
         manager = impl.component("block_manager")(impl.component("block_pool")(blocks, policy), block_size)
-        self.device = self.subject("device", (model, tiered_swap), model.new_manager(pool, block_size), manager)
+        self.device = self.subject(
+            "device", (model, tiered_swap), model.new_manager(pool, block_size, self.conventions.manager), manager
+        )
         stored: StorePolicy = "lru" if "lru" in declared.policies else declared.policies[0]
         policies = (stored,) * len(declared.tiers)
         store = impl.component("kv_store")(1, capacities, policies)
-        self.store = self.subject("store", kv_store, kv_store.new_store(1, capacities, policies, declared), store)
+        expected = kv_store.new_store(1, capacities, policies, declared)
+        self.store = self.subject("store", kv_store, expected, store, refusal_view=kv_store.kept_by_a_refusal)
         self.block_size, self.factor = block_size, factor
         # a prompt of 2 to factor + 1 device blocks, one a swap-out can cut inside a tier block; its tokens
         # distinct, so that a block loaded from the wrong slice holds other tokens than the right one
@@ -66,7 +69,7 @@ class TieredSwapMachine(LockstepMachine):
             st.integers(0, 99), min_size=block_size + 1, max_size=(factor + 1) * block_size, unique=True
         )
         self.new_prompts = PROMPTS | spanning
-        self.swapped: dict[int, tuple[tuple[int, ...], list[Key]]] = {}  # slot -> (tokens it held, its tier keys)
+        self.swapped: dict[int, tuple[tuple[int, ...], list[Key]]] = {}  # slot -> what it read then, its tier keys
         self.prompts: list[tuple[int, list[int]]] = []  # (slot, prompt) of every admission
         self.refused: tuple[str, int, list[int]] | None = None  # the write or swap-in refused last
         # a first sequence, preempted to the store: swarm testing turns ``admit`` and ``swap_out`` off in many
@@ -171,11 +174,14 @@ class TieredSwapMachine(LockstepMachine):
             self.swap_out_seq(seq, data)
 
     def swap_out_seq(self, seq: int, data: st.DataObject) -> None:
-        table, tokens = self.device.model.tables[seq], self.device.model.tokens[seq]
+        """The device's own contents of the sequence go to the store, as an engine swaps out the KV it holds: what
+        the sequence reads back after its swap-in is judged against what it read here."""
+        table = self.device.model.tables[seq]
         if not table:
             return
+        tokens = tuple(self.device.impl.read(seq))
         # mostly a cut inside a tier block, where a partial swap-in must skip the resident part of its first one
-        inside = [keep for keep in range(1, len(table)) if keep % self.factor]
+        inside = [cut for cut in range(1, len(table)) if cut % self.factor]
         cuts = st.integers(min(1, len(table) - 1), len(table) - 1) | st.just(0)
         inside_mostly = st.sampled_from(inside) | st.sampled_from(inside) | cuts if inside else cuts
         keep = data.draw(inside_mostly, label="blocks kept resident")
@@ -192,6 +198,7 @@ class TieredSwapMachine(LockstepMachine):
         """Put one tier block; where stores are pending, its transfer completes; where eviction runs in the
         background, the evictor runs after it.  Whether the store holds it."""
         if self.store("put", NODE, key, list(contents)) is None:
+            self.store.model = kv_store.refused_put(self.store.model, NODE, key)  # where a refusal adapts the policy
             return False
         copy = self.store.model.copies.get((NODE, key))
         if copy is not None and not copy.ready:
@@ -212,7 +219,7 @@ class TieredSwapMachine(LockstepMachine):
     def swap_in_seq(self, seq: int) -> None:
         """Load the suffix back; if the store lost a tier block, recompute the sequence from its tokens."""
         tokens, keys = self.swapped[seq]
-        before, resident = self.device.snapshot(), len(self.device.model.tables[seq])
+        before, resident = self.device.snapshot(), len(self.device.impl.block_table(seq))
         answer = self.device("swap_in", self.store, NODE, self.tier_block_size, seq, keys, judged_by=None)
         if answer is None:
             if all((NODE, key) in self.store.model.copies for key in keys):
@@ -254,7 +261,9 @@ class TieredSwapMachine(LockstepMachine):
         }
         node, size, names = arguments[how]
         target = self.nearest(self.running(), slot) if how == "running" or seq is None else seq
-        self.device("swap_in", self.store, node, size, slot if target is None else target, names, note=how)
+        target = slot if target is None else target
+        if self.device("swap_in", self.store, node, size, target, names, note=how) is not None:
+            self.swapped.pop(target, None)  # loaded all the same: the sequence is whole on the device
 
     @rule(tier=st.integers(0, len(TIERS) - 1), evict=st.booleans())
     def store_pressure(self, tier: int, evict: bool) -> None:

@@ -28,7 +28,8 @@ Invariants (tier in brackets):
 * ``invariant_admission_in_arrival_order`` [convention] -- no group is admitted or resumed
   ahead of an earlier-arrived (under ``priority``: higher-ranked) ready one still waiting or swapped.
 * ``invariant_hits_probed_at_admission`` [safety] -- each admission reports the
-  tokens the cache held for its prompt at that moment, as the spec's cache does.
+  tokens its KV cache manager answered for it at that moment (the plan of its
+  ``add_sequence``), not a hit length probed earlier.
 * ``invariant_watermark_kept`` [safety] -- after an admission onto a busy GPU,
   ``watermark`` blocks are still free.
 * ``invariant_not_ready_never_admitted`` [safety] -- a request not ready holds no
@@ -39,6 +40,7 @@ Invariants (tier in brackets):
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from itertools import pairwise
 
 import attrs
@@ -52,6 +54,7 @@ from kvspec.spec.scheduler import (
     Memory,
     Model,
     Request,
+    RequestId,
     SchedulerState,
     StepReport,
     free_blocks,
@@ -186,15 +189,18 @@ def invariant_admission_in_arrival_order(after: SchedulerState, report: StepRepo
     "evicted, or recomputes blocks since cached",
     "safety",
 )
-def invariant_hits_probed_at_admission(expected: StepReport, actual: StepReport) -> str | None:
-    """``expected`` is the spec's report of the step, ``actual`` the implementation's; of the requests both
-    admitted (which ones is the policy's business), each must take what the cache held for it then."""
-    spec, implementation = dict(expected.cached_tokens), dict(actual.cached_tokens)
-    both = spec.keys() & implementation.keys()
-    wrong = {request: implementation[request] for request in both if implementation[request] != spec[request]}
+def invariant_hits_probed_at_admission(
+    answered: Mapping[RequestId, int], reported: Iterable[tuple[RequestId, int]]
+) -> str | None:
+    """Judged on the implementation alone: ``answered`` is what the scheduler's own KV cache manager answered
+    each admission of the step (the cached tokens of the plan of the request's ``add_sequence``, watched as
+    the scheduler called it), ``reported`` the cached tokens the scheduler's report names per admission.  Of
+    the admissions both name, each must report what the manager supplied then: more skips computing KV that
+    is not there, fewer overwrites cached blocks the request shares."""
+    wrong = {request: cached for request, cached in reported if request in answered and cached != answered[request]}
     if wrong:
-        held = {request: spec[request] for request in wrong}
-        return f"admissions took {wrong} tokens from the cache, it held {held} for them when they were admitted"
+        told = {request: answered[request] for request in wrong}
+        return f"admissions report {wrong} tokens taken from the cache, their manager supplied {told} then"
     return None
 
 

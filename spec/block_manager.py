@@ -16,7 +16,9 @@ Rules (vLLM §4.2-4.4 and §5, lecture §4-5):
   shared blocks are never written, so they are never copied; only a
   ``rollback`` (``kvspec.spec.speculative``) leaves a registered block partial.
 * ``fork(parent, child)`` gives the child the parent's table: every block is
-  shared (count + 1) and none is allocated.
+  shared (count + 1) and none is allocated -- under the convention
+  ``fork_partial_block="copy"``, all but a partially filled last block, of which
+  the child gets a copy in a fresh block at once (see Conventions).
 * ``free(seq)`` releases the table's blocks, last block first.
 * ``move_sequences(src, dst, seqs)`` moves a group of sequences to another
   device's manager of the same implementation (swap): all of their distinct blocks are copied into freshly
@@ -33,22 +35,36 @@ Rules (vLLM §4.2-4.4 and §5, lecture §4-5):
 * Every operation is all or nothing: ``OutOfBlocks`` or ``InvalidOperation``
   leaves the manager and its pool as they were.
 
+Conventions (``spec.conventions.ManagerConventions``; the reference's first):
+
+* ``fork_partial_block`` -- ``share``: as above, the first write into the
+  shared partial block copies it.  Under ``copy`` (HF transformers'
+  ``PagedAttentionCache.prepare_fork_request``) the fork shares the parent's
+  full blocks only: the child's last entry is a fresh block holding a copy of
+  the parent's partial last block (``OutOfBlocks`` without one), so neither
+  copies it on write later.  Replaces ``fork`` and, as it allocates, the
+  count of ``invariant_fork_allocates_nothing``.
+
 Slots hold the token ids written to them, so reading a sequence back through
 its table is a real check of where its data lives: a missing copy shows up as
 another sequence's token.
 
 Invariants (checked after every step; the pool's invariants also hold, with
-the holders of a block being the table entries that name it):
+the holders of a block being the table entries that name it).  The safety
+rules read the manager's own snapshot and the caller's *ledger* (``Held``):
+the sequences the caller holds and the tokens it wrote into each, kept from
+the calls the manager carried out -- never the model.
 
-* ``invariant_read_back_exact`` [safety] -- reading through the table yields the tokens.
+* ``invariant_read_back_exact`` [safety] -- reading through the table yields what the caller wrote.
 * ``invariant_waste_bounded`` [safety] -- at most B-1 unused slots per sequence.
 * ``invariant_table_length_exact`` [safety] -- len(table) = ceil(len(tokens) / B).
-* ``invariant_fork_allocates_nothing`` [safety] -- a fork shares and never allocates.
+* ``invariant_fork_allocates_nothing`` [convention] -- a fork shares and allocates
+  nothing (under ``copy``: nothing but the child's copy of the partial last block).
 * ``invariant_copy_on_write_exact`` [convention] -- a write copies iff it lands in a
   shared (or registered), partially filled block, and then exactly once.
 * ``invariant_parallel_sampling_copies`` [convention] -- n sequences sharing a half-full
-  last block make n-1 copies between them, none if the prompt fills whole
-  blocks (lecture exercise 4).
+  last block make n-1 copies between them (at their writes, or under ``copy``
+  at the forks), none if the prompt fills whole blocks (lecture exercise 4).
 * ``invariant_manager_refines_spec`` [convention] -- the implementation is in the model's state.
 """
 
@@ -64,10 +80,14 @@ import attrs
 from kvspec.spec import block_pool
 from kvspec.spec.block_pool import Pool, PoolState
 from kvspec.spec.components import component_kind, methods_of
+from kvspec.spec.conventions import REFERENCE, ManagerConventions
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import Group, invariant, refinement
 
 SeqId = Hashable
+Held = Mapping[SeqId, tuple[int, ...] | None]
+"""The caller's ledger of one manager: each sequence it holds there, with the tokens it wrote into it -- None where it
+cannot vouch for them (an out-of-contract call on it was carried out)."""
 
 
 @attrs.frozen
@@ -139,6 +159,7 @@ class Manager:
     tables: Mapping[SeqId, tuple[int, ...]]
     tokens: Mapping[SeqId, tuple[int, ...]]
     contents: Mapping[int, tuple[int, ...]]
+    conventions: ManagerConventions = REFERENCE.manager
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -164,8 +185,10 @@ def check_tokens(tokens: object, *, allow_empty: bool) -> tuple[int, ...]:
     return tuple(int(t) for t in tokens)
 
 
-def new_manager(pool: Pool, block_size: int) -> Manager:
-    return Manager(block_size=check_block_size(block_size), pool=pool, tables={}, tokens={}, contents={})
+def new_manager(pool: Pool, block_size: int, conventions: ManagerConventions = REFERENCE.manager) -> Manager:
+    return Manager(
+        block_size=check_block_size(block_size), pool=pool, tables={}, tokens={}, contents={}, conventions=conventions
+    )
 
 
 def abstract(manager: Manager) -> ManagerState:
@@ -252,15 +275,25 @@ def write(manager: Manager, seq: SeqId, tokens: tuple[int, ...]) -> tuple[Manage
 
 
 def fork(manager: Manager, parent: SeqId, child: SeqId) -> Manager:
-    """The child shares every block of the parent; nothing is allocated."""
+    """The child shares every block of the parent; nothing is allocated.  Under ``fork_partial_block="copy"`` a
+    partially filled last block is not shared: the child gets a fresh block holding a copy of its slots."""
     require_live(manager, parent)
     require_new(manager, child)
-    pool = block_pool.share(manager.pool, manager.tables[parent])
+    table, contents = manager.tables[parent], dict(manager.contents)
+    filled = len(manager.tokens[parent]) % manager.block_size
+    copies = filled > 0 and manager.conventions.fork_partial_block == "copy"
+    shared = table[:-1] if copies else table
+    pool, child_table = block_pool.share(manager.pool, shared), shared
+    if copies:
+        pool, (copy,) = block_pool.allocate(pool, 1)
+        contents[copy] = contents[table[-1]][:filled]
+        child_table = shared + (copy,)
     return attrs.evolve(
         manager,
         pool=pool,
-        tables={**manager.tables, child: manager.tables[parent]},
+        tables={**manager.tables, child: child_table},
         tokens={**manager.tokens, child: manager.tokens[parent]},
+        contents=contents,
     )
 
 
@@ -333,12 +366,27 @@ def move_sequences(
 # -- invariants over snapshots ---------------------------------------------------
 
 
+def to_read_back(state: ManagerState, held: Held | None) -> Mapping[SeqId, tuple[int, ...]]:
+    """The tokens each sequence must read back: what the caller wrote, for the sequences whose tokens its ledger
+    ``held`` vouches for; the manager's own record of the others (of every one, without a ledger)."""
+    if held is None:
+        return state.tokens
+    return {**state.tokens, **{seq: tokens for seq, tokens in held.items() if tokens is not None}}
+
+
 @invariant(
-    "a sequence must read back exactly its own tokens; anything else is another sequence's data (CoW isolation)",
+    "a sequence must read back exactly what was written into it; anything else is another sequence's data "
+    "(CoW isolation)",
     "safety",
 )
-def invariant_read_back_exact(state: ManagerState) -> str | None:
-    for seq, tokens in state.tokens.items():
+def invariant_read_back_exact(state: ManagerState, held: Held | None = None) -> str | None:
+    """Reads the manager's tables, contents and own record of each sequence's tokens against the caller's ledger
+    ``held`` (None: the manager's own record alone, for a machine that keeps no ledger)."""
+    for seq, tokens in to_read_back(state, held).items():
+        if seq not in state.tokens:
+            return f"sequence {seq!r} is gone from the manager, though the caller wrote {tokens} and never freed it"
+        if state.tokens[seq] != tokens:
+            return f"sequence {seq!r} holds {state.tokens[seq]} by the manager's own record; the caller wrote {tokens}"
         got = read_through_table(state.contents, state.tables.get(seq, ()), len(tokens), state.block_size)
         if got != tokens:
             return f"sequence {seq!r} reads back {got}, its tokens are {tokens}"
@@ -349,8 +397,9 @@ def invariant_read_back_exact(state: ManagerState) -> str | None:
     "paging promises waste only in the last block: at most B-1 unused slots per sequence",
     "safety",
 )
-def invariant_waste_bounded(state: ManagerState) -> str | None:
-    for seq, tokens in state.tokens.items():
+def invariant_waste_bounded(state: ManagerState, held: Held | None = None) -> str | None:
+    """Each table against the tokens its sequence must read back (``to_read_back``)."""
+    for seq, tokens in to_read_back(state, held).items():
         waste = len(state.tables.get(seq, ())) * state.block_size - len(tokens)
         if waste > state.block_size - 1:
             return f"sequence {seq!r} wastes {waste} slots with block size {state.block_size}"
@@ -361,8 +410,9 @@ def invariant_waste_bounded(state: ManagerState) -> str | None:
     "on-demand allocation: a sequence holds exactly the blocks its tokens need, no reservation",
     "safety",
 )
-def invariant_table_length_exact(state: ManagerState) -> str | None:
-    for seq, tokens in state.tokens.items():
+def invariant_table_length_exact(state: ManagerState, held: Held | None = None) -> str | None:
+    """Each table against the tokens its sequence must read back (``to_read_back``)."""
+    for seq, tokens in to_read_back(state, held).items():
         table = state.tables.get(seq, ())
         if len(table) != blocks_for(len(tokens), state.block_size):
             return f"sequence {seq!r} has {len(tokens)} tokens in {len(table)} blocks of {state.block_size}"
@@ -372,17 +422,26 @@ def invariant_table_length_exact(state: ManagerState) -> str | None:
 
 
 @invariant(
-    "forking is what makes parallel sampling and beam search cheap: it must share, not allocate",
-    "safety",
+    "forking is what makes parallel sampling and beam search cheap: it shares the parent's blocks and allocates "
+    "nothing, but the copy of a partial last block that the declared convention makes at once",
+    "convention",
     needs=("block_manager.fork", "prefix_caching_manager.fork", "paged_kv_cache.fork"),
 )
 def invariant_fork_allocates_nothing(
-    before: ManagerState, after: ManagerState, parent: SeqId, child: SeqId
+    before: ManagerState, after: ManagerState, parent: SeqId, child: SeqId, conventions: ManagerConventions
 ) -> str | None:
-    if after.pool.num_free != before.pool.num_free:
-        return f"fork changed the free blocks from {before.pool.num_free} to {after.pool.num_free}"
-    if after.tables.get(child) != before.tables[parent]:
-        return f"child table {after.tables.get(child)} is not the parent's {before.tables[parent]}"
+    """Under ``fork_partial_block="copy"`` the child's last entry is a fresh block, if the parent's is partial."""
+    table = before.tables[parent]
+    partial = len(before.tokens[parent]) % before.block_size != 0
+    copied = 1 if partial and conventions.fork_partial_block == "copy" else 0
+    allocated = before.pool.num_free - after.pool.num_free
+    if allocated != copied:
+        return f"fork allocated {allocated} blocks, the declared fork copies {copied}"
+    child_table = after.tables.get(child, ())
+    if child_table[: len(table) - copied] != table[: len(table) - copied] or len(child_table) != len(table):
+        return f"child table {child_table} does not share the parent's {table}"
+    if copied and child_table[-1] in table:
+        return f"child table {child_table} shares the parent's partial last block {table[-1]}"
     return None
 
 
@@ -402,6 +461,7 @@ def invariant_copy_on_write_exact(expected: Sequence[tuple[int, int]], actual: S
     needs=("block_manager.fork",),
 )
 def invariant_parallel_sampling_copies(n: int, prompt_len: int, block_size: int, copies: int) -> str | None:
+    """``copies``: the blocks the forks allocated and the copies the samples' writes made, together."""
     expected = n - 1 if prompt_len % block_size else 0
     if copies != expected:
         return f"{n} samples of a {prompt_len}-token prompt (B={block_size}) made {copies} copies, expected {expected}"
@@ -411,7 +471,14 @@ def invariant_parallel_sampling_copies(n: int, prompt_len: int, block_size: int,
 invariant_manager_refines_spec = refinement("invariant_manager_refines_spec")
 
 
+def held_tables(state: ManagerState, held: Held | None = None) -> Mapping[SeqId, tuple[int, ...]]:
+    """The tables of the sequences the caller holds (``held``; without a ledger, every table): their entries are
+    the holders of the blocks, so a table of a sequence the caller freed holds blocks no one will release."""
+    return state.tables if held is None else {seq: state.tables.get(seq, ()) for seq in held}
+
+
 STATE = Group((invariant_read_back_exact, invariant_waste_bounded, invariant_table_length_exact)).including(
-    block_pool.STATE, lambda state: (state.pool, holders(state.tables))
+    block_pool.STATE, lambda state, held=None: (state.pool, holders(held_tables(state, held)))
 )
-"""Every safety rule over a manager's snapshot, its pool's included (the table entries hold the blocks)."""
+"""Every safety rule over a manager's snapshot, its pool's included (the table entries hold the blocks), called as
+``(state, held)``: ``held`` the caller's ledger, if it keeps one."""

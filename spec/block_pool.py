@@ -61,6 +61,12 @@ functions that return a new ``Pool``; an implementation's ``snapshot()``
 returns a ``PoolState``, the abstraction both are compared through, and the
 invariants are predicates over ``PoolState``.
 
+Safety is judged on the pool's own snapshots and answers and on the caller's
+*ledger*, kept from the calls the pool carried out: the references it holds
+(``holders``: what it allocated and shared, less what it released) and what
+it wrote into each block (``written``: the hash of the contents it registered
+there, None once the block is handed out again to hold a request's own tokens).
+
 Invariants (tier in brackets; ``STATE`` groups those over a snapshot and
 its holders, which every machine with a pool checks):
 
@@ -71,6 +77,8 @@ its holders, which every machine with a pool checks):
 * ``invariant_refcount_matches_holders`` [safety] -- each count equals its references.
 * ``invariant_hash_map_consistent`` [safety] -- the hash map names exactly the
   blocks that carry each hash, each once.
+* ``invariant_no_stale_hit`` [safety] -- a hash names only blocks that hold what
+  was registered under it (the pool's map, and what a lookup answers).
 * ``invariant_counts_match_snapshot`` [safety] -- ``num_free()`` and
   ``refcount()`` tell what ``snapshot()`` shows.
 * ``invariant_in_use_never_reclaimed`` [safety] -- allocation and eviction
@@ -408,6 +416,27 @@ def invariant_hash_map_consistent(state: PoolState) -> str | None:
     carried = {b for b, h in enumerate(state.block_hashes) if h is not None}
     if carried != set(listed):
         return f"blocks {sorted(carried - set(listed))} carry a hash the map does not list"
+    return None
+
+
+@invariant(
+    "a hash must name only blocks that still hold what was cached under it: a block handed out again while its hash "
+    "names it makes the next hit read another request's data",
+    "safety",
+)
+def invariant_no_stale_hit(
+    named: Mapping[Hashable, Sequence[int]], written: Mapping[int, Hashable | None]
+) -> str | None:
+    """``named``: the blocks the pool names under each hash (its snapshot's map, or what a lookup answered);
+    ``written``: the caller's ledger of each block's contents (a block missing from it is one the caller cannot
+    vouch for: an out-of-contract registration of it was carried out)."""
+    for block_hash, blocks in named.items():
+        for block in blocks:
+            if block in written and written[block] != block_hash:
+                held = "a request's own tokens" if written[block] is None else f"the contents of {written[block]!r}"
+                return (
+                    f"hash {block_hash!r} names block {block}, which holds {held}: a hit reads another request's data"
+                )
     return None
 
 

@@ -395,6 +395,9 @@ def invariant_refused_only_when_no_run_fits(before: ArenaState, slots: int) -> s
     "the ledger is the fragmentation figure: a slot counted in the wrong share misstates where memory goes", "safety"
 )
 def invariant_ledger_exact(reported: Ledger, state: ArenaState, final_lengths: Mapping[int, int]) -> str | None:
+    """``reported`` is what the allocator's ``ledger(final_lengths)`` answered, ``state`` its own snapshot, and
+    ``final_lengths`` the caller's record of each live request's true final length (a request it cannot vouch
+    for left out)."""
     expected = ledger(state, final_lengths)
     if reported != expected:
         return diff_states(reported, expected)

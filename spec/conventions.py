@@ -24,6 +24,10 @@ The fields, one per choice observed in vLLM v1 and SGLang:
   ``keep`` (vLLM: both blocks carry the hash, so block tables stay append-only).
 * ``PoolConventions.policies`` -- the eviction policies the engine supports;
   machines draw only these.
+* ``ManagerConventions.fork_partial_block`` -- what a fork does with the
+  parent's partially filled last block: ``share`` it (reference, vLLM: the
+  first write into it copies it) or ``copy`` it for the child at once (HF
+  transformers: the child's table ends in a fresh block holding those slots).
 * ``RadixConventions.eviction_granularity`` -- ``exact_tokens`` (reference:
   exactly ``min(asked, evictable)`` tokens) or ``whole_leaves`` (SGLang: whole
   unlocked leaves, at least ``min(asked, evictable)``).
@@ -35,11 +39,23 @@ The fields, one per choice observed in vLLM v1 and SGLang:
   (reference: 1, though its cache is built for any page size).
 * ``RadixConventions.extra_key_namespaces`` -- whether an extra key (adapter,
   tenant) separates otherwise equal keys (reference and SGLang: yes).
+* ``RadixConventions.page_reuse`` -- which free page the radix page manager
+  hands out next: the ``lowest_first`` (reference) or the ``last_freed_first``
+  (SGLang's paged allocator, which puts the pages it frees at the front of its
+  free list); see ``spec.radix_pages``.
 * ``WindowConventions.slid_out`` -- what becomes of a block once every token
   in it has left the sliding window: ``dropped`` (reference, vLLM: released,
   its entry cleared) or ``ring`` (HF transformers: a sequence keeps
   ``ceil(min(L, W) / B)`` blocks while it lives and writes position ``p`` at
   ring slot ``p mod W``, over the token that slid out); see ``spec.sliding_window``.
+* ``WindowConventions.window_of`` -- under ``dropped``, whose window keeps a
+  block: the ``last_token``'s (reference: the last ``W`` tokens) or the
+  ``next_token``'s (vLLM: the token computed next and the ``W - 1`` before it,
+  one token narrower).
+* ``WindowConventions.release`` -- under ``dropped``, when a slid-out block is
+  released: ``eager``ly, by the call that slides it out (reference), or
+  ``at_next_allocation`` of its sequence, refused or not (vLLM's
+  ``remove_skipped_blocks`` in ``allocate_slots``).
 * ``StoreConventions`` -- the tiered store's shape (its tiers, at most how
   many nodes), its policies, what a re-put of a held key does, whether stores
   are pending until completed, read leases, background eviction and who picks
@@ -72,6 +88,13 @@ class PoolConventions:
 
 
 @attrs.frozen
+class ManagerConventions:
+    """The block manager's choices (``spec.block_manager``)."""
+
+    fork_partial_block: Literal["share", "copy"] = "share"  # copy: the child's copy of it made at the fork
+
+
+@attrs.frozen
 class RadixConventions:
     """The radix cache's choices (``spec.radix_cache``)."""
 
@@ -80,6 +103,7 @@ class RadixConventions:
     lock_by: Literal["key", "handle"] = "key"
     page_size: int = 1
     extra_key_namespaces: bool = True
+    page_reuse: Literal["lowest_first", "last_freed_first"] = "lowest_first"  # the page manager's free pages
 
 
 @attrs.frozen
@@ -97,13 +121,16 @@ class StoreConventions:
     watermark: float = 1.0  # background: a tier holding this share of its capacity is evicted at settle
     victims: Literal["policy", "engine"] = "policy"  # who picks the background evictor's victims
     promotion: bool = True  # a hit moves the copy to the first tier
+    refusal_adapts_policy: bool = False  # a put refused for want of room still adapts its first tier's policy
 
 
 @attrs.frozen
 class WindowConventions:
-    """The sliding-window manager's choices (``spec.sliding_window``)."""
+    """The sliding-window manager's choices (``spec.sliding_window``, which states what each means)."""
 
     slid_out: Literal["dropped", "ring"] = "dropped"
+    window_of: Literal["last_token", "next_token"] = "last_token"  # dropped: whose window keeps a block
+    release: Literal["eager", "at_next_allocation"] = "eager"  # dropped: when a slid-out block is released
 
 
 @attrs.frozen
@@ -111,6 +138,7 @@ class Conventions:
     """Everything an implementation declares about itself; the defaults are the reference's."""
 
     pool: PoolConventions = PoolConventions()
+    manager: ManagerConventions = ManagerConventions()
     radix: RadixConventions = RadixConventions()
     window: WindowConventions = WindowConventions()
     store: StoreConventions = StoreConventions()

@@ -260,6 +260,22 @@ def evict_host(hier: HierRadix, num_tokens: int) -> tuple[HierRadix, int]:
     return hier, len(dropped)
 
 
+def state_runs(state: HierState, key: Key) -> tuple[tuple[int, ...], int]:
+    """Read off a cache's own state: the device slots of ``key``'s leading run on the device, and how many tokens
+    after it are held on the host alone (what a match answers; what a load back takes slots for)."""
+    slots: list[int] = []
+    host_hit = 0
+    for end in range(1, len(key) + 1):
+        copies = state.copies.get(key[:end])
+        if copies is not None and copies.device is not None and not host_hit:
+            slots.append(copies.device)
+        elif copies is not None and copies.device is None and copies.host:
+            host_hit += 1
+        else:
+            break
+    return tuple(slots), host_hit
+
+
 def as_radix_state(state: HierState) -> RadixState:
     """The cached tokens as the radix chapter's state (for its rule that they stay prefix closed)."""
     return RadixState(values={token: copies.device or 0 for token, copies in state.copies.items()}, locks={})
@@ -337,14 +353,9 @@ def invariant_hicache_host_evicts_only_leaves(before: HierState, after: HierStat
 )
 def invariant_hicache_hit_read_from_device(before: HierState, key: Key, values: Sequence[int]) -> str | None:
     """``before`` is the cache's own state when asked; ``key`` the key's tokens."""
-    expected = []
-    for end in range(1, len(key) + 1):
-        copies = before.copies.get(key[:end])
-        if copies is None or copies.device is None:
-            break
-        expected.append(copies.device)
-    if tuple(values) != tuple(expected):
-        return f"a match answered slots {tuple(values)}; the key's run on the device holds {tuple(expected)}"
+    on_device, _ = state_runs(before, key)
+    if tuple(values) != on_device:
+        return f"a match answered slots {tuple(values)}; the key's run on the device holds {on_device}"
     return None
 
 

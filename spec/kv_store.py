@@ -74,6 +74,17 @@ Conventions (``spec.conventions.StoreConventions``; the reference's in brackets)
   read where it is.
 * ``remove(node, key)`` drops the node's copy; a forced remove of a copy in
   use is out of contract (``InvalidOperation``): the caller holds the pin.
+* ``refusal_adapts_policy`` [off] -- a marked replacement of the refused put
+  (``spec.kv_store_model.refused_put``).  Off, a put refused for want of room
+  changes nothing.  On, the writer's first tier has seen the key as a store
+  miss before it found no room, as a put that goes ahead does: an ARC tier
+  adapts its target to a ghost hit, and the ghost moves to the young end of
+  its list (vLLM's ``prepare_store`` records the miss "once before any
+  allocation-related early return").  Whatever is declared, what a refused
+  call must leave as it was (``kept_by_a_refusal``) is everything but each
+  ARC tier's adaptive state -- its target and its ghosts' order -- which
+  orders future victims and nothing else: a refusal that moves it undeclared
+  is a convention finding (the refinement), never a safety one.
 
 Theory of operation, in five modules: this one (the protocol and the rules
 over snapshots); ``spec.kv_store_state`` (``StoreState``, what a snapshot
@@ -96,9 +107,12 @@ Invariants:
 * ``invariant_pinned_never_evicted`` -- a copy in use (pinned, leased, pending)
   stays in its tier with its contents, or an in-flight transfer reads (or
   writes) freed memory.
-* ``invariant_demotion_keeps_the_block`` -- an operation loses no more copies
-  from a tier than it had to evict there (a fault aside), so demotion never
-  loses data; which copies go is the policy's, a convention.
+* ``invariant_demotion_keeps_the_block`` -- a copy leaves its live node only
+  when the caller asked for it (removed it, evicted a tier, a failed store,
+  the background evictor's answered victims) or as a victim the node's last
+  tier gave up for room, which leaves that tier full; a copy leaving an upper
+  tier lands in a lower one.  Judged on the store's states before and after
+  and the caller's ledger; which copies go is the policy's, a convention.
 * ``invariant_replicas_agree`` -- every replica of a key holds the same
   contents, or two nodes serve different KV for one prefix.
 * ``invariant_get_returns_put`` -- a hit reads the tokens the store accepted
@@ -121,6 +135,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import attrs
+
 from kvspec.spec.components import component_kind
 from kvspec.spec.invariants import diff_states, invariant
 from kvspec.spec.kv_store_model import (  # the transitions the machines dispatch to, by name
@@ -135,6 +151,7 @@ from kvspec.spec.kv_store_model import (  # the transitions the machines dispatc
     lookup,
     pin,
     put,
+    refused_put,
     remove,
     replicate,
     restart,
@@ -193,10 +210,12 @@ __all__ = [  # the layer read from one place: its records and transitions, its p
     "invariant_request_reads_its_tokens",
     "invariant_store_refines_spec",
     "invariant_tier_capacity",
+    "kept_by_a_refusal",
     "lookup",
     "new_store",
     "pin",
     "put",
+    "refused_put",
     "remove",
     "replicate",
     "restart",
@@ -293,7 +312,9 @@ def copies_in_use(state: StoreState) -> dict[Place, str]:
     "safety",
 )
 def invariant_pinned_never_evicted(before: StoreState, after: StoreState, released: Sequence[Place] = ()) -> str | None:
-    """``released``: copies the operation itself let go of (a failed store's)."""
+    """Reads the store's own snapshots around a call and the caller's ledger: ``released``, the copies the call
+    itself named to go (a removed copy, a store reported failed) -- the caller's own request, never damage, even
+    where the caller still held a pin on it (that call is a caller-contract finding)."""
     for (node, key), why in copies_in_use(before).items():
         if not after.alive[node] or (node, key) in released:
             continue
@@ -304,20 +325,54 @@ def invariant_pinned_never_evicted(before: StoreState, after: StoreState, releas
     return None
 
 
-@invariant("demotion moves a block down a tier; a copy may be lost only by choosing it for eviction", "safety")
+@invariant(
+    "demotion moves a block down a tier: a copy is lost only when the caller asks, or as the victim a full last tier "
+    "gives up for room -- one dropped from an upper tier, or while the last tier has room, is KV lost for nothing",
+    "safety",
+)
 def invariant_demotion_keeps_the_block(
-    before: StoreState, after: StoreState, chosen: Sequence[tuple[int, Key]]
+    before: StoreState, after: StoreState, asked: Sequence[Place] = ()
 ) -> str | None:
-    """``chosen``: the copies the operation had to drop.  Which victim a tier gives up is its policy's (a
-    convention); how many copies leave each tier is not."""
-    held = _held_copies(before)
-    lost = [(node, key) for node, key in held if (node, key) not in after.contents and after.alive[node]]
-    for node, tier in sorted({(node, held[(node, key)]) for node, key in lost}):
-        went = [key for n, key in lost if n == node and held[(n, key)] == tier]
-        allowed = sum(1 for n, key in chosen if n == node and held.get((n, key)) == tier)
-        if len(went) > allowed:
-            return f"copies {went} left node {node}'s {before.names[tier]} tier, but only {allowed} had to go (chosen: {list(chosen)})"
+    """Reads the store's own snapshots around a call and the caller's ledger: ``asked``, the copies the call named
+    to go (a removed copy, a failed store) or answered as taken at the caller's request (``evict``'s victim, the
+    background evictor's).  Any other copy gone from a live node must have left its last tier as a victim that
+    made room there: that tier holds its capacity after the call.  Which victim goes is the policy's."""
+    last = len(before.capacities) - 1
+    for (node, key), tier in sorted(_held_copies(before).items(), key=repr):
+        if not after.alive[node] or (node, key) in after.contents or (node, key) in asked:
+            continue
+        if tier != last:
+            return f"block {key!r} left node {node}'s {before.names[tier]} tier and no lower tier holds it"
+        room = before.capacities[last] - len(after.tiers[node][last])
+        if room > 0:
+            return (
+                f"block {key!r} was evicted from node {node}'s {before.names[last]} tier, "
+                f"which has room for {room} more after the call"
+            )
     return None
+
+
+def kept_by_a_refusal(state: StoreState) -> StoreState:
+    """What of a snapshot a call refused for want of room must leave as it was: all of it but each ARC tier's
+    adaptive state -- its target, and its ghosts' order -- which orders future victims and nothing else (a
+    policy may learn from a refused call: ``refusal_adapts_policy``).  An ARC tier's keys are listed by repr,
+    since its eviction order follows the target; its recent and frequent lists stay in the view as they are."""
+    if not state.arc:
+        return state
+    tiers = tuple(
+        tuple(tuple(sorted(keys, key=repr)) if (node, tier) in state.arc else keys for tier, keys in enumerate(held))
+        for node, held in enumerate(state.tiers)
+    )
+    arc = {
+        at: attrs.evolve(
+            lists,
+            recent_ghosts=tuple(sorted(lists.recent_ghosts, key=repr)),
+            frequent_ghosts=tuple(sorted(lists.frequent_ghosts, key=repr)),
+            target=0.0,
+        )
+        for at, lists in state.arc.items()
+    }
+    return attrs.evolve(state, tiers=tiers, arc=arc)
 
 
 @invariant("replicas of one key serve the same prefix: a stale one gives some requests KV of other tokens", "safety")

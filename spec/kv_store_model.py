@@ -2,7 +2,8 @@
 
 A transition returns the new ``Store`` (and the operation's answer) or raises
 ``InvalidOperation`` (out of contract) or ``OutOfBlocks`` (no room), changing
-nothing.  Room is made by cascading victims down the tiers (``free_slot``);
+nothing -- but for a put, whose refusal may adapt the policy where the
+conventions say so (``refused_put``: the machines apply it after a refusal).  Room is made by cascading victims down the tiers (``free_slot``);
 a tier whose eviction runs in the background refuses instead, until ``settle``.
 """
 
@@ -193,6 +194,16 @@ def put(store: Store, node: int, key: Key, tokens: Sequence[int]) -> Store:
     moving = replicas[node].tier != 0 and store.conventions.promotion and not in_use(store, replicas[node])
     store = use(store, node, key)
     return place(without(store, node, key), node, key, store.copies[(node, key)]) if moving else store
+
+
+def refused_put(store: Store, node: int, key: Key) -> Store:
+    """The model after a put of ``key`` onto ``node`` was refused for want of room (``OutOfBlocks``): as it was,
+    unless the conventions let a refusal adapt the policy (``refusal_adapts_policy``, a marked replacement): then
+    the node's first tier has seen the key as a store miss, as a put that goes ahead sees it before it makes room
+    (``enter``: an ARC tier adapts its target to a ghost hit)."""
+    if not store.conventions.refusal_adapts_policy or (node, key) in store.copies:
+        return store
+    return enter(store, node, 0, key)
 
 
 def get(store: Store, node: int, key: Key) -> tuple[Store, Tokens | None]:

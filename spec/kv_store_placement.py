@@ -29,9 +29,10 @@ in their policy's order):
   or a copy in use) -- a FIFO in that tier gives up the wrong victim.
 * **A call the spec refuses** -- when a store carries out a call the model
   refuses for want of room (a put into a full tier that the store accepts),
-  the store's transition rules still judge that call on the store's own
-  states: nothing in use moves, and no copy is lost from a tier above the
-  last (a cascade loses copies only out of the last tier).
+  the caller holds what it wrote, and the safety rules judge that call as
+  every other, on the store's own states and the caller's ledger: nothing in
+  use moves, and a copy leaves its node only from a last tier that needed
+  the room.
 
 Invariants:
 

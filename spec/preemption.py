@@ -43,10 +43,11 @@ Invariants (tier in brackets):
   through its device's tables, exactly its group's tokens.
 * ``invariant_recompute_restores_tokens`` [safety] -- a group's tokens are its prompt
   and the tokens it sampled, whatever preemption it went through.
-* ``invariant_oldest_never_preempted`` [safety] -- the earliest-arrived unfinished
-  request is never a victim.
+* ``invariant_oldest_never_preempted`` [safety] -- under ``fcfs``, while every
+  request accepted fits alone and no transfer is in flight, the earliest-arrived
+  unfinished request is never a victim.
 * ``invariant_preempted_keeps_no_grant`` [safety] -- no request is both
-  preempted and granted tokens in one step.
+  preempted and granted tokens (a running group's grant) in one step.
 * ``invariant_victims_rank_below_survivors`` [convention] -- every victim ranks
   below every request that kept its grant.
 * ``invariant_finishes_within_bound`` [safety] -- under ``fcfs`` with every request ready,
@@ -251,6 +252,8 @@ def invariant_recompute_restores_tokens(state: SchedulerState) -> str | None:
     "safety",
 )
 def invariant_oldest_never_preempted(before: SchedulerState, report: StepReport) -> str | None:
+    """``before``: the implementation's state when the step began; judged where the deadlock-freedom argument's
+    premises hold (``fcfs``, every request accepted fits alone, no transfer in flight): the caller's to know."""
     if before.groups and any(rid == before.groups[0].request.request_id for rid, _ in report.preempted):
         return f"request {before.groups[0].request.request_id!r}, the earliest unfinished, was preempted"
     return None
@@ -261,9 +264,11 @@ def invariant_oldest_never_preempted(before: SchedulerState, report: StepReport)
     "safety",
 )
 def invariant_finishes_within_bound(state: SchedulerState, deadlines: Mapping[RequestId, int]) -> str | None:
+    """``deadlines``: the caller's, for each request the implementation accepted and was not asked to drop, from the
+    step and the unfinished count it showed at the arrival; a request the caller aborted is not its to finish."""
     for group in state.groups:
-        due = deadlines[group.request.request_id]
-        if state.steps > due:
+        due = deadlines.get(group.request.request_id)
+        if due is not None and state.steps > due:
             return f"request {group.request.request_id!r} is still {group.location} at step {state.steps}, due by {due}"
     return None
 

@@ -37,7 +37,9 @@ Rules (lecture §8, vLLM automatic prefix caching, Mooncake §3):
 * ``rollback(seq, n)`` (optional; ``kvspec.spec.speculative``) drops
   rejected draft tokens as in layer 2; a block no longer full leaves the
   pending list, and a registered one the sequence now ends in is copied
-  before the next write into it.
+  before the next write into it -- registered meaning that it carries a
+  hash, whether or not ``lookup`` names it (under ``duplicate_hash="keep"``
+  a second block carries the hash ``lookup`` finds the first by).
 * Ownership: the caller keeps every list it passes (prompts, tokens, groups)
   and may overwrite it at once; the manager keeps copies.  What it answers
   (hashes, hit blocks, plans) belongs to the caller.
@@ -331,6 +333,8 @@ def invariant_hit_is_exact_prefix(
     prompt: Sequence[int],
     block_size: int,
 ) -> str | None:
+    """``before`` and ``contents`` are the cache's own pool when asked and block contents, ``hits`` the blocks it
+    answered, ``prompt`` what the caller asked for: each hit carried a hash then, and holds the prompt's block."""
     for i, block in enumerate(hits):
         if before.block_hashes[block] is None:
             return f"hit block {block} (logical {i}) was not cached: evicted or reallocated"
@@ -360,6 +364,8 @@ def invariant_hits_stop_at_first_miss(
     "safety",
 )
 def invariant_reuse_preserves_read_back(seq: SeqId, read_back: Sequence[int], given: Sequence[int]) -> str | None:
+    """``read_back`` is what the implementation reads for ``seq``, ``given`` the caller's record of what it wrote
+    there (admitted, appended, inherited by a fork, less what it rolled back)."""
     if tuple(read_back) != tuple(given):
         return f"sequence {seq!r} reads back {tuple(read_back)}, it was given {tuple(given)}"
     return None

@@ -57,7 +57,8 @@ Invariants (tier in brackets):
 * ``invariant_radix_match_is_longest`` [safety] -- a match returns the values
   of the longest cached prefix of the key.
 * ``invariant_radix_locked_never_evicted`` [safety] -- eviction never takes a
-  token of a locked path.
+  token of a path its caller holds locked (the caller's ledger of the locks
+  the cache took).
 * ``invariant_radix_evicts_what_was_asked`` [safety] -- eviction frees at least
   ``min(asked, evictable)`` tokens.
 * ``invariant_radix_agrees_with_chained_hash`` [safety] -- given the same
@@ -94,7 +95,12 @@ class RadixState:
 
     @property
     def protected(self) -> frozenset[Key]:
-        return frozenset(key[:i] for key in self.locks for i in range(1, len(key) + 1))
+        return locked_paths(self.locks)
+
+
+def locked_paths(locks: Mapping[Key, int]) -> frozenset[Key]:
+    """Every prefix on a path that holds a lock (a count of zero or less holds none)."""
+    return frozenset(key[:i] for key, count in locks.items() if count > 0 for i in range(1, len(key) + 1))
 
 
 @runtime_checkable
@@ -350,8 +356,10 @@ def longest_cached(state: RadixState, named_key: Key) -> tuple[int, ...]:
 
 
 @invariant("a locked path is being read by a running request: evicting it frees KV still in use", "safety")
-def invariant_radix_locked_never_evicted(before: RadixState, after: RadixState) -> str | None:
-    lost = before.protected - after.values.keys()
+def invariant_radix_locked_never_evicted(held: frozenset[Key], before: RadixState, after: RadixState) -> str | None:
+    """``held``: the tokens on the paths the caller holds locked (``locked_paths`` of its ledger of the locks the
+    cache took); ``before``, ``after``: the cache's own states around an eviction."""
+    lost = (held & before.values.keys()) - after.values.keys()
     if lost:
         return f"evicted locked tokens {sorted(lost, key=repr)}"
     return None
@@ -385,6 +393,3 @@ invariant_radix_refines_spec = refinement("invariant_radix_refines_spec")
 
 STATE = Group((invariant_radix_prefix_closed, invariant_radix_sizes_consistent))
 """The safety rules over a radix cache's snapshot, called as ``(state, total, evictable, protected)``."""
-
-EVICTION = Group((invariant_radix_locked_never_evicted, invariant_radix_evicts_what_was_asked))
-"""The safety rules of an eviction, called as ``(before, after, evicted, asked)``."""

@@ -44,7 +44,8 @@ order it does model -- a new leaf after the walk, the walk's nodes together
 ``time.monotonic()`` and the new ``TreeNode``'s; on a clock too coarse to
 tick (``TreeNode.__lt__`` then finds neither first) SGLang's heap may take
 either leaf first, and the verdict files that as a convention finding: the
-order of two unlocked leaves, never a safety rule.
+order of two unlocked leaves, never a safety rule (the zoo's legal variant
+``breaks_recency_ties_the_other_way`` is such a cache).
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ Rules (SGLang's paged ``TokenToKVPoolAllocator`` under its ``RadixCache``; lectu
 * ``admit(request, tokens)`` -- match ``tokens`` in the tree (a use of the
   path: SGLang's scheduler matches every waiting request before it sizes the
   batch), lock the matched whole pages, and take a page for every further
-  ``page_size`` tokens: free pages first, lowest-numbered first, then pages
-  the tree evicts, least recently used leaf page first.  Position ``i`` of
-  the request lives in its matched value, or at offset ``i % page_size`` of
-  a new page.  The answer is the number of tokens the cache supplied.  With
+  ``page_size`` tokens: free pages first (in the order the declared
+  ``page_reuse`` says), then pages the tree evicts, least recently used leaf
+  page first.  Position ``i`` of the request lives in its matched value, or
+  at offset ``i % page_size`` of a new page.  The answer is the number of tokens the cache supplied.  With
   too few free and evictable pages the answer is ``None`` and nothing is
   taken: the request waits, and only its match's use remains.  Never
   otherwise: the pages it needs are counted against the free ones and every
@@ -37,12 +37,26 @@ Rules (SGLang's paged ``TokenToKVPoolAllocator`` under its ``RadixCache``; lectu
   other call on a request that is not running, an empty prompt, a negative
   count) raise ``InvalidOperation`` and change nothing.
 
+Conventions (``spec.conventions.RadixConventions``): the tree's, as
+``spec.radix_conventions`` models them at this page size, and one of the
+pool's, ``page_reuse`` -- which free page is handed out next, the one
+choice that decides every slot number (refinement compares them):
+
+* ``lowest_first`` (the reference) -- the lowest-numbered free page first.
+* ``last_freed_first`` -- a marked replacement (``_put_back``): the free
+  pages are a list handed out from its front, and every freeing puts its
+  pages at the front, so the page freed last is reused first (SGLang's
+  ``PagedTokenToKVPoolAllocator`` outside disaggregation, ``need_sort=False``:
+  ``free`` prepends the pages it frees, lowest first; ``free_segment``, an
+  evicted leaf's pages, in its tokens' order).  A release frees its
+  duplicate pages, then its partial last page (two ``free`` calls); an
+  eviction frees leaf after leaf, so the leaf it took last comes first.  The
+  pool starts lowest first.
+
 Theory of operation: ``Pages`` is the spec's radix model
 (``spec.radix_conventions``: the declared radix conventions, at this page
-size) beside a set of free pages
-and the running requests' slots; every transition is pure.  The allocation
-order -- the lowest free page first, as SGLang's allocator keeps its free
-pages sorted -- is the reference's, and refinement compares slot numbers.
+size) beside the free pages, in the order they are handed out, and the
+running requests' slots; every transition is pure.
 
 Invariants (tier in brackets):
 
@@ -55,7 +69,8 @@ Invariants (tier in brackets):
 * ``invariant_pages_evicted_whole`` [safety] -- an eviction frees whole pages.
 * ``invariant_pages_refused_only_when_short`` [safety] -- an admission or a
   decode is refused only when the free pages and those the tree could evict
-  (a new request's match locked) are fewer than it takes.
+  (a new request's match locked) are fewer than it may take (an admission, a
+  page for its last token at least: ``room``).
 * ``invariant_pages_refusal_leaves_nothing`` [safety] -- a refused admission
   leaves the locks, the free pages and the cache as they were.
 * ``invariant_pages_read_back`` [safety] -- each running request's slots, and
@@ -131,7 +146,7 @@ RADIX_PAGE_MANAGER = component_kind(
 class Pages:
     page_size: int
     radix: Radix
-    free: frozenset[int]
+    free: tuple[int, ...]  # in the order they are handed out
     requests: Mapping[RequestId, Held]
     contents: tuple[int, ...]
 
@@ -141,12 +156,12 @@ def new_pages(num_pages: int, page_size: int, conventions: RadixConventions = RE
     if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1:
         raise InvalidOperation(f"a pool needs at least one page, got {num_pages!r}")
     radix = radix_conventions.new_radix(attrs.evolve(conventions, page_size=page_size))
-    return Pages(page_size, radix, frozenset(range(num_pages)), {}, (NEVER_WRITTEN,) * (num_pages * page_size))
+    return Pages(page_size, radix, tuple(range(num_pages)), {}, (NEVER_WRITTEN,) * (num_pages * page_size))
 
 
 def abstract(pages: Pages) -> PagesState:
     return PagesState(
-        pages.page_size, pages.free, radix_cache.abstract(pages.radix), dict(pages.requests), pages.contents
+        pages.page_size, frozenset(pages.free), radix_cache.abstract(pages.radix), dict(pages.requests), pages.contents
     )
 
 
@@ -190,14 +205,17 @@ def release(pages: Pages, request_id: RequestId, keep: bool) -> Pages:
         radix, present = radix_conventions.insert(radix, held.tokens[:whole], held.slots[:whole])
     if held.cached:
         radix = radix_conventions.unlock(radix, held.tokens[: held.cached])
-    returned = _pages_of(held.slots[held.cached : present] + held.slots[whole:], pages.page_size)
+    duplicates = sorted(_pages_of(held.slots[held.cached : present], pages.page_size))
+    rest = sorted(_pages_of(held.slots[whole:], pages.page_size))  # the partial last page; without keep, all
     requests = {rid: h for rid, h in pages.requests.items() if rid != request_id}
-    return attrs.evolve(pages, radix=radix, free=pages.free | returned, requests=requests)
+    return _put_back(attrs.evolve(pages, radix=radix, requests=requests), duplicates, rest)
 
 
 def evict(pages: Pages, num_tokens: int) -> tuple[Pages, tuple[int, ...]]:
     radix, evicted = radix_conventions.evict(pages.radix, num_tokens)
-    return attrs.evolve(pages, radix=radix, free=pages.free | _pages_of(evicted, pages.page_size)), evicted
+    # leaf after leaf, each leaf's pages in its tokens' order: the evicted slots read from the last back
+    freed = tuple(dict.fromkeys(slot // pages.page_size for slot in reversed(evicted)))
+    return _put_back(attrs.evolve(pages, radix=radix), freed), evicted
 
 
 def evictable_tokens(pages: Pages) -> int:
@@ -205,15 +223,25 @@ def evictable_tokens(pages: Pages) -> int:
 
 
 def _take(pages: Pages, count: int) -> tuple[Pages, tuple[int, ...]]:
-    """The lowest ``count`` free pages, after evicting what is short; ``OutOfBlocks`` if even that is too few."""
+    """The first ``count`` free pages, after evicting what is short; ``OutOfBlocks`` if even that is too few."""
     short, p = count - len(pages.free), pages.page_size
     if short > 0:
         evictable = evictable_tokens(pages)
         if short * p > evictable:
             raise OutOfBlocks(count, len(pages.free) + evictable // p, "pages")
         pages, _ = evict(pages, short * p)
-    taken = tuple(sorted(pages.free)[:count])
-    return attrs.evolve(pages, free=pages.free - set(taken)), taken
+    return attrs.evolve(pages, free=pages.free[count:]), pages.free[:count]
+
+
+def _put_back(pages: Pages, *freeings: Sequence[int]) -> Pages:
+    """Modified (``page_reuse="last_freed_first"``): each freeing, in turn, puts its pages at the front of the free
+    list, in its order.  The reference keeps the list lowest first."""
+    free = pages.free
+    for freed in freeings:
+        free = tuple(freed) + free
+    if pages.radix.conventions.page_reuse == "lowest_first":
+        free = tuple(sorted(free))
+    return attrs.evolve(pages, free=free)
 
 
 def _written(pages: Pages, request_id: RequestId, held: Held, start: int) -> Pages:
@@ -336,8 +364,11 @@ def invariant_pages_read_back(state: PagesState) -> str | None:
 
 
 def room(state: PagesState, request_id: RequestId, tokens: Sequence[int]) -> tuple[int, int]:
-    """The pages that admitting ``tokens`` (a decode's token, for a running request) takes in ``state``, and
-    the pages free or evictable once a new request's match is locked."""
+    """The pages that admitting ``tokens`` (a decode's token, for a running request) may take in ``state``, and
+    the pages free or evictable once a new request's match is locked -- both as any engine may count them: a
+    new request may take a page for its last token even when the tree holds the whole prompt (the last token's
+    logits sample the first new one: SGLang matches at most all tokens but the last, and recomputes that page),
+    and its whole match stays locked."""
     p, held = state.page_size, state.requests.get(request_id)
     if held is not None:
         grown = len(held.tokens) + len(tokens)
@@ -345,7 +376,7 @@ def room(state: PagesState, request_id: RequestId, tokens: Sequence[int]) -> tup
     else:
         named = radix_cache.name_tokens(tokens[: len(tokens) - len(tokens) % p], p)
         matched = len(radix_cache.longest_cached(state.cache, named))
-        needed = blocks_for(len(tokens) - matched, p)
+        needed = blocks_for(len(tokens) - min(matched, max(len(tokens) - 1, 0) // p * p), p)
         locked = state.cache.protected | set(radix_cache.path(named, matched))
     return needed, len(state.free) + len(state.cache.values.keys() - locked) // p
 

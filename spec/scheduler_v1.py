@@ -54,9 +54,12 @@ Invariants (tier in brackets):
 * ``invariant_budget_scheduler_refines_spec`` [convention] -- the implementation is in the
   model's state, block numbers aside.
 * Reused through ``as_layer`` (``kvspec.spec.scheduler``, ``preemption``, ``admission``): memory
-  never overcommitted, no leak across preemption, the oldest never preempted (``fcfs``), a victim
-  keeps no grant, victims rank below survivors, hits probed at admission, finishes within the
-  bound (``fcfs``); and every pool and manager rule on the device's memory.
+  never overcommitted, no leak across preemption, the oldest never preempted (``fcfs``, judged
+  while the implementation's running then waiting requests are in arrival order:
+  ``in_arrival_order``), a victim keeps no grant (a running request's share is its grant, an
+  admission's its prefill), victims rank below survivors, hits probed at admission (the cached
+  tokens the manager's plan supplied), finishes within the bound (``fcfs``); and every pool and
+  manager rule on the device's memory.
 """
 
 from __future__ import annotations
@@ -198,9 +201,11 @@ def as_layer(state: BudgetState) -> scheduler.SchedulerState:
 
 
 def as_layer_report(report: BudgetReport) -> scheduler.StepReport:
+    """The report in the layer's records: the running requests' shares are its grants; an admission's share is
+    its prefill, as the layer's admissions are (a victim admitted again in the step is served over new blocks)."""
     return scheduler.StepReport(
         preempted=tuple((rid, "recompute") for rid in report.preempted),
-        granted=report.served,
+        granted=tuple((rid, share) for rid, share in report.served if rid not in report.admitted),
         admitted=report.admitted,
         cached_tokens=report.cached_tokens,
         finished=report.finished,
@@ -249,13 +254,17 @@ def invariant_kv_holds_computed_tokens(state: BudgetState) -> str | None:
     "convention",
 )
 def invariant_queue_in_arrival_order(state: BudgetState) -> str | None:
-    if state.config.policy != "fcfs":
-        return None
-    arrival = {entry.request_id: entry.arrival for entry in state.entries}
-    order = [arrival[rid] for rid in (*state.running, *state.waiting)]
-    if order != sorted(order):
+    if state.config.policy == "fcfs" and not in_arrival_order(state):
         return f"running {list(state.running)} then waiting {list(state.waiting)} is not arrival order"
     return None
+
+
+def in_arrival_order(state: BudgetState) -> bool:
+    """Whether the running requests, then the waiting queue, are in arrival order: under ``fcfs``, the premise of
+    deadlock freedom (the oldest is running first, or at the head of the queue)."""
+    arrival = {entry.request_id: entry.arrival for entry in state.entries}
+    order = [arrival[rid] for rid in (*state.running, *state.waiting)]
+    return order == sorted(order)
 
 
 @invariant("a step that preempted is short of memory: admitting then takes what the victims just gave up", "convention")

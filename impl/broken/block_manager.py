@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from kvspec.impl.block_manager import BlockManager
+from kvspec.impl.block_manager import BlockManager, CopyingForkBlockManager
 from kvspec.impl.broken import members
 from kvspec.spec import block_manager as spec
 from kvspec.spec import block_pool, speculative, tiered_swap
 from kvspec.spec.block_manager import SeqId, WritePlan
+from kvspec.spec.conventions import Conventions, ManagerConventions
 from kvspec.spec.invariants import (
     invariant_failed_operation_changes_nothing,
     invariant_out_of_contract_call_rejected,
@@ -22,7 +23,7 @@ tiered = members("block_manager", "tiered swap (partial swap-in)")
 
 
 class NoCopyOnWrite(BlockManager):
-    """Writes straight into a shared partial block."""
+    """Writes straight into a shared partial block: the siblings sharing it read the writer's token."""
 
     def _needs_copy(self, seq: SeqId) -> bool:
         return False
@@ -31,9 +32,9 @@ class NoCopyOnWrite(BlockManager):
 no_copy_on_write = manager(
     "copy-on-write missing",
     NoCopyOnWrite,
+    spec.invariant_read_back_exact,
     invariant_verdict_matches_spec,
     spec.invariant_copy_on_write_exact,
-    spec.invariant_parallel_sampling_copies,
 )
 
 
@@ -66,7 +67,9 @@ fork_without_share = manager(
 
 
 class CopiesOnFork(BlockManager):
-    """Copies the child's partial last block when it forks, instead of when either first writes into it."""
+    """A legal choice left undeclared: the child's partial last block is copied when it forks (HF transformers'
+    fork), not when either first writes into it, while it declares the reference's ``fork_partial_block="share"``.
+    Only when a block is allocated differs (a convention finding); every sequence reads back what it wrote."""
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
         super().fork(parent, child)
@@ -74,7 +77,53 @@ class CopiesOnFork(BlockManager):
             self._copy_last_block(child)
 
 
-copies_on_fork = manager("copies the partial block at fork", CopiesOnFork, spec.invariant_fork_allocates_nothing)
+copies_on_fork = manager(
+    "a legal choice, undeclared: copies the partial block at fork", CopiesOnFork, spec.invariant_fork_allocates_nothing
+)
+COPIES_AT_FORK = Conventions(manager=ManagerConventions(fork_partial_block="copy"))
+
+
+class LeavesTheForkCopyEmpty(CopyingForkBlockManager):
+    """Declares the fork's copy of the partial last block and allocates it, but never copies the slots into it
+    (HF's ``perform_cache_copy`` left out): the child reads whatever the fresh block last held."""
+
+    def _fork_table(self, parent: SeqId) -> list[int]:
+        contents = list(self._contents)
+        table = super()._fork_table(parent)
+        for block in table:
+            self._contents[block] = contents[block]
+        return table
+
+
+leaves_the_fork_copy_empty = manager(
+    "the fork's copy of the partial block is never filled",
+    LeavesTheForkCopyEmpty,
+    spec.invariant_read_back_exact,
+    conventions=COPIES_AT_FORK,
+)
+
+
+class CopiesFullBlocksAtFork(CopyingForkBlockManager):
+    """Declares the fork's copy of the partial last block, then copies the full blocks too (HF's fork with block
+    sharing off): the memory that sharing saves parallel sampling is spent at the fork."""
+
+    def _fork_table(self, parent: SeqId) -> list[int]:
+        table = super()._fork_table(parent)
+        for index in range(min(len(self._tokens[parent]) // self._block_size, self._pool.num_free())):
+            (copy,) = self._pool.allocate(1)
+            self._contents[copy] = list(self._contents[table[index]])
+            self._pool.release([table[index]])
+            table[index] = copy
+        return table
+
+
+copies_full_blocks_at_fork = manager(
+    "the fork copies full blocks too",
+    CopiesFullBlocksAtFork,
+    spec.invariant_fork_allocates_nothing,
+    spec.invariant_parallel_sampling_copies,
+    conventions=COPIES_AT_FORK,
+)
 
 
 class ReservesAheadBlock(BlockManager):
@@ -96,7 +145,9 @@ reserves_ahead_block = manager(
 
 
 class FreesFirstBlockFirst(BlockManager):
-    """Releases a table front to back, so a sequence's shared prefix is evicted first."""
+    """A legal choice kvspec does not model: a table is released front to back (LMDeploy's ``DefaultBlockManager``),
+    not last block first, so a sequence's shared prefix is queued for eviction first.  Only the eviction order
+    differs (a convention finding); every count and holder is right."""
 
     def free(self, seq: SeqId) -> None:
         self._pool.release(self._table(seq))
@@ -104,7 +155,7 @@ class FreesFirstBlockFirst(BlockManager):
 
 
 frees_first_block_first = manager(
-    "frees a table front to back", FreesFirstBlockFirst, spec.invariant_manager_refines_spec
+    "a legal choice: frees a table front to back", FreesFirstBlockFirst, spec.invariant_manager_refines_spec
 )
 
 

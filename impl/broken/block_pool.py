@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from kvspec.impl.block_pool import BlockPool, LRUFreeQueue
+from kvspec.impl.block_pool import BlockPool, LFUFreeQueue, LRUFreeQueue
 from kvspec.impl.broken import members
 from kvspec.spec import block_pool as spec
 from kvspec.spec.conventions import Conventions, Policy, PoolConventions
@@ -102,11 +102,50 @@ class EvictsMostRecentFirst(BlockPool):
         return blocks
 
 
-evicts_most_recent_first = pool(
-    "wrong end of the free queue",
-    EvictsMostRecentFirst,
-    spec.invariant_eviction_order,
+evicts_most_recent_first = pool("wrong end of the free queue", EvictsMostRecentFirst, spec.invariant_eviction_order)
+
+
+class ReleasesTogetherInReverse(BlockPool):
+    """A legal choice kvspec does not model: the blocks of one ``release`` are queued last first.  Only the
+    eviction order differs (a convention finding); every count and holder is right, so no safety rule fails."""
+
+    def release(self, blocks: Sequence[int]) -> None:
+        super().release(list(blocks)[::-1])
+
+
+releases_together_in_reverse = pool(
+    "a legal choice: blocks released together queued in reverse",
+    ReleasesTogetherInReverse,
     spec.invariant_pool_refines_spec,
+)
+
+
+class NewestFirstAmongEquals(LFUFreeQueue):
+    """LFU's ties broken the other way: of the blocks used equally often, the one released last goes first."""
+
+    def push(self, block: int, uses: int) -> None:
+        super().push(block, uses)
+        self._buckets[uses].move_to_end(block, last=False)
+
+    def push_all(self, blocks: Sequence[int], uses: Sequence[int]) -> None:
+        for block in blocks:
+            self.push(block, uses[block])
+
+
+class BreaksLFUTiesTheOtherWay(BlockPool):
+    """A legal choice kvspec does not model: under LFU, ties go to the most recently released block.  Only
+    the eviction order differs from the declared policy's (a convention finding), never a count or a holder."""
+
+    def __init__(self, capacity: int, policy: Policy = "lru") -> None:
+        super().__init__(capacity, policy)
+        if policy == "lfu":
+            self._free = NewestFirstAmongEquals(range(capacity))
+
+
+breaks_lfu_ties_the_other_way = pool(
+    "a legal choice: LFU ties broken the other way",
+    BreaksLFUTiesTheOtherWay,
+    spec.invariant_eviction_order,
 )
 
 
@@ -123,6 +162,25 @@ class EvictsInUseBlocks(BlockPool):
 
 
 evicts_in_use_blocks = pool("evicts in-use cached blocks", EvictsInUseBlocks, spec.invariant_in_use_never_reclaimed)
+
+
+class KeepsTheHashOfBlocksHandedOut(BlockPool):
+    """Hands out a free cached block without forgetting its hash: the map still names it under the hash, so the
+    next hit shares a block its new holder is overwriting with its own tokens (a stale hit)."""
+
+    def allocate(self, n: int) -> list[int]:
+        hashes = list(self._hashes)
+        blocks = super().allocate(n)
+        for block in blocks:
+            if hashes[block] is not None:
+                self._hashes[block] = hashes[block]
+                self._cached[hashes[block]] = block
+        return blocks
+
+
+keeps_the_hash_of_blocks_handed_out = pool(
+    "hands out cached blocks still named by their hash", KeepsTheHashOfBlocksHandedOut, spec.invariant_no_stale_hit
+)
 
 
 class RegisterAlwaysSucceeds(BlockPool):

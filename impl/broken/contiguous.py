@@ -30,8 +30,11 @@ class CoalescesWithNonBuddy(ContiguousAllocator):
         super()._return_buddy(offset, size)
 
 
-coalesces_with_non_buddy = allocator(
-    "coalesces with a non-buddy", CoalescesWithNonBuddy, contiguous_spec.invariant_buddy_blocks_aligned
+coalesces_with_non_buddy = allocator(  # a misaligned block then splits into halves that lose slots
+    "coalesces with a non-buddy",
+    CoalescesWithNonBuddy,
+    contiguous_spec.invariant_buddy_blocks_aligned,
+    contiguous_spec.invariant_slots_conserved,
 )
 
 
@@ -42,7 +45,12 @@ class NeverCoalesces(ContiguousAllocator):
         self._free_by_size.setdefault(size, set()).add(offset)
 
 
-never_coalesces = allocator("never coalesces", NeverCoalesces, contiguous_spec.invariant_free_space_coalesced)
+never_coalesces = allocator(  # a request the merged buddies would hold is then refused: a false out-of-memory
+    "never coalesces",
+    NeverCoalesces,
+    contiguous_spec.invariant_free_space_coalesced,
+    contiguous_spec.invariant_refused_only_when_no_run_fits,
+)
 
 
 class LeaksOnFree(ContiguousAllocator):

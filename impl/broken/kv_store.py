@@ -3,13 +3,18 @@
 Every factory returns an ``Implementation`` whose store is a one-method
 subclass of the reference -- built, for the bugs of a convention's mechanism
 (pending stores, read leases), under the profile it declares -- and names the
-invariant that catches it; ``properties/meta/test_zoo.py`` runs each.
+invariant that catches it; ``properties/meta/test_zoo.py`` runs each.  The
+members named "a legal choice" make a choice kvspec does not model (or one they
+do not declare): a convention rule finds them, and no safety rule may
+(``properties/meta/test_no_false_safety.py``).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Hashable, Sequence
+
+import attrs
 
 from kvspec.impl.broken import caught_by, member
 from kvspec.impl.kv_store import Block, KVStore, Node
@@ -275,6 +280,38 @@ class FullTierPutTakesACopyInUse(KVStore):
         return chosen
 
 
+class RefusedPutHasDroppedACopy(KVStore):
+    """Declares that a refused put may adapt its policy (``refusal_adapts_policy``), and makes room from the bottom
+    up: it frees a slot at the deepest tier that can give one up, dropping that tier's victim, before it looks
+    for a copy to move into it from each tier above -- and when one has none to give up, it refuses with the
+    dropped copy gone.  The convention lets a refusal move a policy's preference, never a copy: this one loses a
+    block to a call that wrote nothing."""
+
+    def _put(self, node: int, key: Hashable, tokens: Sequence[int]) -> None:
+        try:
+            super()._put(node, key, tokens)
+        except OutOfBlocks:
+            here = self._node(node)
+            victims = [(tier, self._victim(here, tier)) for tier in range(len(self.capacities))]
+            deepest = [(tier, victim) for tier, victim in victims if victim is not None]
+            if deepest:
+                tier, victim = deepest[-1]
+                self._leave(here, tier, victim)
+                self._drop(node, here, victim)
+            raise
+
+
+class DemotedCopyArrivesNewest(KVStore):
+    """A legal choice kvspec does not model: a copy moved down a tier arrives there as its most recently used
+    (LMCache's disk backend ranks a chunk written to it on eviction from DRAM as a new put).  The spec counts
+    moving between tiers as no use, so only the order the lower tiers give up their copies differs (a
+    convention finding); no copy is lost, moved or read wrong, so no safety rule fails."""
+
+    def _move(self, node: Node, key: Hashable, tier: int) -> None:
+        node.blocks[key].last_use = self._tick()  # the copy leaves its tier under its old rank, enters under this
+        super()._move(node, key, tier)
+
+
 def _with_store(name: str, store: type[KVStore], conventions: StoreConventions | None = None) -> Implementation:
     """A member whose store is ``store``; built, when ``conventions`` are given, under them whatever the member
     is declared to do (a safety bug shows whatever is declared)."""
@@ -389,3 +426,28 @@ def batch_eviction_takes_copies_in_use() -> Implementation:
 @caught_by(store_spec.invariant_pinned_never_evicted, "tiered KV store (node faults)")
 def full_tier_put_takes_a_copy_in_use() -> Implementation:
     return _with_store("broken: a put into a tier of copies in use takes one", FullTierPutTakesACopyInUse)
+
+
+@caught_by(invariants.invariant_failed_operation_changes_nothing, "tiered KV store (node faults)")
+def refused_put_has_dropped_a_copy() -> Implementation:
+    declared = StoreConventions(refusal_adapts_policy=True)
+    return _with_store("broken: a refused put has dropped a copy", RefusedPutHasDroppedACopy, declared)
+
+
+@caught_by(store_spec.invariant_store_refines_spec, "tiered KV store (node faults)")
+def adapts_on_a_refused_put() -> Implementation:
+    """A legal choice, undeclared: a put refused for want of room still adapts an ARC tier to its key's ghost, as
+    vLLM's CPU offloading does (``refusal_adapts_policy``, not declared here).  Only the policy's target moves, so
+    the refinement finds it (a convention finding) and no safety rule does."""
+    declared = StoreConventions(tiers=("cpu",), policies=("arc",))  # one ARC tier, where refusals are common
+    built = functools.partial(KVStore, conventions=attrs.evolve(declared, refusal_adapts_policy=True))
+    return member(
+        "broken: a legal choice, undeclared: a refused put adapts ARC's target",
+        Conventions(store=declared),
+        kv_store=built,
+    )
+
+
+@caught_by(placement_spec.invariant_tier_eviction_order, "tiered KV store (node faults)")
+def demoted_copy_arrives_newest() -> Implementation:
+    return _with_store("broken: a legal choice: a demoted copy arrives as its tier's newest", DemotedCopyArrivesNewest)

@@ -6,8 +6,10 @@ manager is a small subclass of the reference.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
+
+import attrs
 
 from kvspec.impl.block_pool import BlockPool
 from kvspec.impl.broken import members
@@ -16,7 +18,8 @@ from kvspec.impl.prefix_caching import PrefixCachingBlockManager
 from kvspec.spec import admission, block_manager, block_pool, speculative
 from kvspec.spec import prefix_cache as spec
 from kvspec.spec.block_manager import SeqId, WritePlan
-from kvspec.spec.errors import OutOfBlocks
+from kvspec.spec.block_pool import Policy, PoolState
+from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.prefix_cache import Commit, ExtraKey, max_hit_blocks
 
 # A member: its pool or its prefix-caching manager (over the reference's pool), and the rules that catch it.
@@ -279,4 +282,74 @@ class KeepsRolledBackBlockPending(PrefixCachingBlockManager):
 
 keeps_rolled_back_block_pending = deferred(
     "a rolled-back block stays pending", KeepsRolledBackBlockPending, spec.invariant_cached_block_holds_its_prefix
+)
+
+
+class KeepsDuplicateHashes(BlockPool):
+    """The reference pool keeping duplicate hashes, as vLLM's ``BlockHashToBlockMap`` does: a block registered under
+    a hash another block carries carries it too (``register`` answers True) and ``lookup`` names the first one
+    registered.  A legal choice, which kvspec models as ``duplicate_hash="keep"``; declared as the reference's
+    ``refuse``, only its answers and its hash map differ from the model's (convention findings).  Under the
+    reference managers a rollback into a duplicate -- a block ``lookup`` does not name -- must still copy it
+    before writing: declared, it conforms."""
+
+    def __init__(self, capacity: int, policy: Policy = "lru") -> None:
+        super().__init__(capacity, policy)
+        self._later: dict[Hashable, list[int]] = {}  # hash -> the blocks carrying it after the one lookup names
+
+    def allocate(self, n: int) -> list[int]:
+        if type(n) is int and 1 < n <= self.num_free():  # one at a time: each cached block leaves through _forget
+            return [block for _ in range(n) for block in super().allocate(1)]
+        return super().allocate(n)
+
+    def register_blocks(self, blocks: Sequence[int], block_hashes: Sequence[Hashable]) -> list[bool]:
+        if len(blocks) != len(block_hashes):
+            raise InvalidOperation(f"{len(blocks)} blocks but {len(block_hashes)} hashes")
+        for done, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
+            refused = self._refusal(block, block_hash)
+            if refused:
+                for earlier in blocks[:done][::-1]:  # all or nothing
+                    self._forget(earlier)
+                raise InvalidOperation(refused)
+            self._hashes[block] = block_hash
+            if block_hash in self._cached:
+                self._later.setdefault(block_hash, []).append(block)
+            else:
+                self._cached[block_hash] = block
+        return [True] * len(blocks)
+
+    def _refusal(self, block: int, block_hash: Hashable) -> str:
+        """Why ``register(block, block_hash)`` is refused ("" when it is not)."""
+        if type(block) is not int or not 0 <= block < self._capacity:
+            return f"block {block!r} is not a block of this pool (0..{self._capacity - 1})"
+        if block_hash is None:
+            return "None is not a block hash"
+        if not self._refcounts[block]:
+            return f"block {block} is free: only a block in use can be registered"
+        return f"block {block} is already registered" if self._hashes[block] is not None else ""
+
+    def _forget(self, block: int) -> None:
+        block_hash = self._hashes[block]
+        if block_hash is None:
+            return
+        later = self._later.pop(block_hash, [])
+        if self._cached[block_hash] != block:
+            later.remove(block)
+        elif later:
+            self._cached[block_hash] = later.pop(0)
+        else:
+            del self._cached[block_hash]
+        if later:
+            self._later[block_hash] = later
+        self._hashes[block] = None
+
+    def snapshot(self) -> PoolState:
+        cached = {block_hash: (block, *self._later.get(block_hash, ())) for block_hash, block in self._cached.items()}
+        return attrs.evolve(super().snapshot(), cached=cached)
+
+
+keeps_duplicate_hashes = pool(
+    "a legal choice, undeclared: a pool that keeps duplicate hashes",
+    KeepsDuplicateHashes,
+    block_manager.invariant_manager_refines_spec,
 )

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvspec.impl.broken import members
 from kvspec.impl.radix_cache import Node, RadixCache
+from kvspec.spec import block_pool
 from kvspec.spec import radix_cache as spec
 from kvspec.spec.block_manager import check_tokens
 from kvspec.spec.conventions import Conventions, RadixConventions
@@ -66,10 +67,7 @@ class RadixEvictsLockedPaths(RadixCache):
 
 
 radix_evicts_locked_paths = radix(
-    "radix cache evicts locked paths",
-    RadixEvictsLockedPaths,
-    spec.invariant_radix_locked_never_evicted,
-    spec.invariant_radix_refines_spec,
+    "radix cache evicts locked paths", RadixEvictsLockedPaths, spec.invariant_radix_locked_never_evicted
 )
 
 
@@ -82,7 +80,36 @@ class RadixMatchIsNotAUse(RadixCache):
 
 
 radix_match_is_not_a_use = radix(  # its recency stamps differ at the match; its eviction order only later, if ever
-    "radix match does not refresh LRU", RadixMatchIsNotAUse, spec.invariant_radix_refines_spec
+    "radix match does not refresh LRU", RadixMatchIsNotAUse, block_pool.invariant_eviction_order
+)
+
+
+class BreaksRecencyTiesTheOtherWay(RadixCache):
+    """A legal choice kvspec does not model: recency read off a coarse clock, one that ticks only at an insert
+    (SGLang's ``time.monotonic()`` where it is too coarse to tick between a request's calls), and of the leaves
+    stamped alike the one queued last goes first (where SGLang's ``TreeNode.__lt__`` finds neither first, its
+    heap's arrangement decides).  Only the order unlocked leaves go in differs from the model's (a convention
+    finding): no locked token is evicted, and every count is right."""
+
+    def __init__(self, page_size: int = 1) -> None:
+        super().__init__(page_size)
+        self._inserts = 0
+
+    def insert(self, key: Sequence[int], values: Sequence[int], extra_key: ExtraKey = None) -> int:
+        self._inserts += 1
+        return super().insert(key, values, extra_key)
+
+    def _tick(self) -> int:
+        return self._inserts
+
+    def _entry(self, node: Node) -> tuple[int, int, Node]:
+        return node.last_use, -next(self._pushes), node
+
+
+breaks_recency_ties_the_other_way = radix(
+    "a legal choice: recency on a coarse clock, ties broken the other way",
+    BreaksRecencyTiesTheOtherWay,
+    block_pool.invariant_eviction_order,
 )
 
 
@@ -261,10 +288,11 @@ class CachesPartialPages(RadixCache):
         return spec.name_tokens(key, self._page_size, extra_key)
 
 
-caches_partial_pages = radix(
+caches_partial_pages = radix(  # its tree holds the partial page from the insert on, before any answer differs
     "pages of 2, the partial last page cached",
     CachesPartialPages,
     spec.invariant_radix_match_is_longest,
+    spec.invariant_radix_refines_spec,
     conventions=declaring(page_size=2),
 )
 

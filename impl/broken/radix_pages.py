@@ -6,12 +6,13 @@ subclass of the reference.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvspec.impl.broken import members
 from kvspec.impl.radix_cache import RadixCache
-from kvspec.impl.radix_pages import RadixPageManager
+from kvspec.impl.radix_pages import LastFreedFirst, LastFreedFirstPageManager, RadixPageManager
 from kvspec.spec import radix_pages as spec
+from kvspec.spec.conventions import Conventions, RadixConventions
 from kvspec.spec.errors import OutOfBlocks
 from kvspec.spec.radix_pages import RequestId
 
@@ -91,7 +92,7 @@ class EvictsBeforeFree(RadixPageManager):
     the cache empties early and later requests miss what the model of its declared conventions still holds."""
 
     def _take(self, count: int) -> list[int]:
-        self._return(self._cache.evict(count * self._page_size))
+        self._return_evicted(self._cache.evict(count * self._page_size))
         return super()._take(count)
 
 
@@ -144,4 +145,27 @@ class RefusalKeepsLock(RadixPageManager):
 
 refusal_keeps_lock = pages(
     "a refused admission keeps its lock", RefusalKeepsLock, spec.invariant_pages_refusal_leaves_nothing
+)
+
+
+class QueuedAtTheBack(LastFreedFirst):
+    """A free list that takes the pages it is given back at its end: a queue, not a stack."""
+
+    def put_back(self, pages: Iterable[int]) -> None:
+        self._list.extend(pages)
+
+
+class ReusesTheLongestFreed(LastFreedFirstPageManager):
+    """Declares SGLang's ``page_reuse="last_freed_first"`` but queues the pages it frees at the back of its free
+    list, as a FIFO free list does: the page freed longest ago is handed out first.  No page is lost or shared;
+    the slots differ from the model's (a convention finding)."""
+
+    free_pages = QueuedAtTheBack
+
+
+reuses_the_longest_freed = pages(
+    "declares last-freed-first, reuses the page freed longest ago",
+    ReusesTheLongestFreed,
+    spec.invariant_pages_refine_spec,
+    conventions=Conventions(radix=RadixConventions(page_reuse="last_freed_first")),
 )

@@ -1,4 +1,6 @@
-"""Broken schedulers: each breaks a rule of layer 4 (``kvspec.spec.scheduler`` and the modules it names)."""
+"""Broken schedulers: each breaks a rule of layer 4 (``kvspec.spec.scheduler`` and the modules it names).  A legal
+choice kvspec does not model is a member too: only a convention rule may catch it
+(``properties/meta/test_no_false_safety.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from kvspec.spec import scheduler as spec
 from kvspec.spec.admission import admissible
 from kvspec.spec.invariants import invariant_failed_operation_changes_nothing, invariant_out_of_contract_call_rejected
 from kvspec.spec.kv_transfer import Outcome
+from kvspec.spec.prefix_cache import max_hit_blocks
 from kvspec.spec.scheduler import Request
 
 # A member: its scheduler (over the reference's pool and manager), and the rules that catch it in that machine.
@@ -236,6 +239,34 @@ preempts_latest_arrival = priority(
     "priority scheduler that preempts the latest arrival",
     PreemptsLatestArrival,
     preemption.invariant_victims_rank_below_survivors,
+)
+
+
+class BreaksPriorityTiesByCachedPrefix(Scheduler):
+    """A legal choice kvspec does not model: among requests of equal priority, the one whose prompt the cache holds
+    most of goes first (then the earlier arrival), as SGLang's ``lpm`` policy orders its waiting queue by longest
+    prefix match; kvspec's priority policy breaks the tie by arrival.  Only the queue order and who is admitted
+    first differ (convention findings): each admission still probes the cache, fits and keeps the watermark,
+    and touches no other request's blocks."""
+
+    def _admission_candidates(self) -> Iterable[Entry]:
+        queued = list(super()._admission_candidates())
+        if self._config.policy != "priority":
+            return queued
+        return sorted(queued, key=lambda group: (group.request.priority, -self._cached_now(group), group.arrival))
+
+    def _cached_now(self, group: Entry) -> int:
+        """The prompt blocks the cache holds for a waiting group (a swapped one resumes without a probe)."""
+        if group.location == "swapped" or self._cache is None:
+            return 0
+        prompt = group.request.prompt
+        return len(self._cache.cached_prefix(prompt)[: max_hit_blocks(len(prompt), self._gpu.block_size)])
+
+
+breaks_priority_ties_by_cached_prefix = priority(
+    "a legal choice: priority ties broken by the longest cached prefix",
+    BreaksPriorityTiesByCachedPrefix,
+    admission.invariant_admission_in_arrival_order,
 )
 
 

@@ -1,5 +1,6 @@
 """Broken token-budget schedulers: each breaks a rule of ``kvspec.spec.scheduler_v1`` (or one of the layer's
-rules it reuses) and declares what catches it."""
+rules it reuses) and declares what catches it.  A legal choice kvspec does not model is a member too: only a
+convention rule may catch it (``properties/meta/test_no_false_safety.py``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from kvspec.spec import scheduler_v1 as spec
 from kvspec.spec.components import Offer, every_operation
 from kvspec.spec.errors import OutOfBlocks
 from kvspec.spec.implementation import Implementation
+from kvspec.spec.prefix_cache import max_hit_blocks
 
 MACHINE = "token-budget scheduler (vLLM v1's shape)"
+PRIORITY_MACHINE = "token-budget scheduler (priority)"
 KIND = spec.TOKEN_BUDGET_SCHEDULER.name
 
 
@@ -51,7 +54,8 @@ class AdmitsAfterPreempting(BudgetScheduler):
 
 
 class NeverChunksAPrefill(BudgetScheduler):
-    """Admits a prompt only when all of it fits the step's budget, chunked prefill or not."""
+    """Admits a prompt only when all of it fits the step's budget, chunked prefill or not: a request longer than
+    the budget, which chunked prefill lets run alone, waits for good."""
 
     def _chunks(self) -> bool:
         return False
@@ -76,6 +80,24 @@ class NeverPreempts(BudgetScheduler):
         return True
 
 
+class BreaksPriorityTiesByCachedPrefix(BudgetScheduler):
+    """A legal choice kvspec does not model: under the priority policy, among waiting requests of equal priority
+    the one whose tokens the cache holds most of goes first (then the earlier arrival), as SGLang's ``lpm`` policy
+    orders its waiting queue by longest prefix match; vLLM's priority queue, and kvspec's, break the tie by
+    arrival.  Only the queue order and the admissions differ (convention findings): each admission still probes
+    the cache at that moment, keeps the budget and takes only the blocks it allocates."""
+
+    def _queue(self) -> list[Slot]:
+        queue = super()._queue()
+        if self._config.policy == "fcfs":
+            return queue
+        return sorted(queue, key=lambda slot: (slot.request.priority, -self._cached_now(slot), slot.arrival))
+
+    def _cached_now(self, slot: Slot) -> int:
+        size = self._memory.block_size
+        return len(self._memory.cached_prefix(slot.tokens)[: max_hit_blocks(len(slot.tokens), size)])
+
+
 @caught_by(spec.invariant_token_budget_kept, MACHINE)
 def serves_past_the_budget() -> Implementation:
     return v1_member("broken: a running request is served past the budget", ServesPastTheBudget)
@@ -96,6 +118,7 @@ def admits_after_preempting() -> Implementation:
     return v1_member("broken: admits in a step that preempted", AdmitsAfterPreempting)
 
 
+@caught_by(preemption.invariant_finishes_within_bound, MACHINE)
 @caught_by(spec.invariant_budget_scheduler_refines_spec, MACHINE)
 def never_chunks_a_prefill() -> Implementation:
     return v1_member("broken: never chunks a prefill", NeverChunksAPrefill)
@@ -109,3 +132,10 @@ def preempts_the_oldest() -> Implementation:
 @caught_by(preemption.invariant_finishes_within_bound, MACHINE)
 def never_preempts() -> Implementation:
     return v1_member("broken: never preempts", NeverPreempts)
+
+
+@caught_by(spec.invariant_budget_scheduler_refines_spec, PRIORITY_MACHINE)
+def breaks_priority_ties_by_cached_prefix() -> Implementation:
+    return v1_member(
+        "broken: a legal choice: priority ties broken by the longest cached prefix", BreaksPriorityTiesByCachedPrefix
+    )

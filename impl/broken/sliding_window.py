@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from kvspec.impl.broken import members
-from kvspec.impl.sliding_window import RingSlidingWindowManager, SlidingWindowManager
+from kvspec.impl.sliding_window import NextTokenWindowManager, RingSlidingWindowManager, SlidingWindowManager
 from kvspec.spec import block_pool
 from kvspec.spec import sliding_window as spec
 from kvspec.spec.block_manager import blocks_for
-from kvspec.spec.conventions import Conventions, WindowConventions
+from kvspec.spec.conventions import Conventions
+from kvspec.spec.errors import OutOfBlocks
 from kvspec.spec.sliding_window import SeqId
 
 window = members("sliding_window_manager", "sliding-window tables")  # a member: its manager, and what catches it
@@ -62,5 +63,44 @@ ring_of_whole_blocks_only = window(
     "a ring of window // block size blocks",
     RingOfWholeBlocksOnly,
     spec.invariant_window_blocks_exact,
-    conventions=Conventions(window=WindowConventions(slid_out="ring")),
+    conventions=Conventions(window=RingSlidingWindowManager.conventions),
+)
+
+
+class RoundsSkippedBlocksUp(NextTokenWindowManager):
+    """Declares vLLM's choices and counts the blocks the next token's window skips rounding up: the block the
+    window starts in is released at the next allocation, though attention still reads its last tokens."""
+
+    def _slid_out(self, table: list[int | None], length: int) -> list[int]:
+        skipped = -(-spec.window_start(length, self._window, "next_token") // self._block_size)
+        return [i for i, block in enumerate(table[: max(0, skipped)]) if block is not None]
+
+
+rounds_skipped_blocks_up = window(
+    "releases the block the next token's window starts in",
+    RoundsSkippedBlocksUp,
+    spec.invariant_window_blocks_exact,
+    conventions=Conventions(window=NextTokenWindowManager.conventions),
+)
+
+
+class KeepsSlidOutThroughRefusal(NextTokenWindowManager):
+    """A legal choice kvspec does not model: declares vLLM's choices, but counts room before releasing what slid
+    out, so a refused append releases nothing -- the slid-out blocks wait for the next allocation that succeeds.
+    Held one step longer is no leak: only the state differs from the model's (a convention finding)."""
+
+    def _grow(self, seq: SeqId, added: int) -> None:
+        table, length = self._tables[seq], self._lengths[seq]
+        fresh = blocks_for(length + added, self._block_size) - len(table)
+        slid = self._slid_out(table, length) if added else []
+        if fresh > self._pool.num_free() + len(slid):
+            raise OutOfBlocks(fresh, self._pool.num_free() + len(slid))
+        super()._grow(seq, added)
+
+
+keeps_slid_out_through_refusal = window(
+    "a legal choice: a refused append keeps what slid out",
+    KeepsSlidOutThroughRefusal,
+    spec.invariant_window_refines_spec,
+    conventions=Conventions(window=NextTokenWindowManager.conventions),
 )

@@ -5,11 +5,15 @@
 #   kvspec/adapters/install-engines.sh            # every engine; or any subset:
 #   kvspec/adapters/install-engines.sh vllm sglang transformers lmcache mooncake lmdeploy
 #
-# torch first, pinned to the release whose CPU wheel the machine has (an unpinned torch pulls a CUDA
-# build of several GB); then each engine with --no-deps and its pinned list requirements-<engine>.txt
-# of pure-Python packages (the engines' own requirements name GPU-only packages that have no CPU build,
-# and cap numpy, torch, triton and prometheus_client below what the others need; the pins, shared
-# packages at one version in every list, are what all six import and run together with).  Mooncake
+# torch first, pinned, from PyTorch's CPU index (https://download.pytorch.org/whl/cpu): on Linux, PyPI's
+# torch is the CUDA build, several GB with its nvidia-* wheels.  On a GPU machine, name another index:
+#   TORCH_INDEX_URL=https://pypi.org/simple kvspec/adapters/install-engines.sh   # PyPI's CUDA build
+# (or the index of your CUDA version that pytorch.org's install selector gives).
+# Then each engine with --no-deps and its pinned list requirements-<engine>.txt of pure-Python packages
+# (the engines' own requirements name GPU-only packages that have no CPU build, and cap numpy, torch,
+# triton and prometheus_client below what the others need; the pins, shared packages at one version in
+# every list, are what all six import and run together with).  So `pip check` afterwards lists the
+# requirements left out on purpose (see README, "Real engines"): expected, not a broken install.  Mooncake
 # also needs three Debian libraries: installed with apt-get when running as root and missing, else the
 # apt line is printed for you.  Keep kvspec's core environment apart: torch and all six engines take
 # about 4.2 GB (vLLM and SGLang alone 3.5 GB); a fresh venv takes about 4 minutes on 2 cores.
@@ -45,7 +49,7 @@ for engine in "$@"; do
     fi
 done
 
-python -m pip install torch==2.13.0
+python -m pip install --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" torch==2.13.0
 for engine in "$@"; do
     python -m pip install --no-deps -r "$here/requirements-$engine.txt"
 done

@@ -45,7 +45,16 @@ Conventions, as read from ``local_cpu_backend.py``, ``local_disk_backend.py`` an
 * ``promotion=False``: a disk hit is read where it is (see above).
 * ``trusts_caller=True``: an unpin without a pin logs "Double unpin" and sets
   the count back to 0; a forced ``remove`` drops a pinned chunk and releases
-  its pins.
+  its pins (the caller's own request: a caller-contract finding, never a
+  safety one).
+
+What the verdict files under safety is LMCache's: ``LocalDiskBackend.remove``
+lowers ``usage`` but never ``current_cache_size``, the figure
+``submit_put_task`` admits and evicts by, so after a remove from the disk
+tier a disk with room evicts a chunk (``invariant_demotion_keeps_the_block``),
+a put it has room for is skipped, and a disk emptied by removes takes
+nothing.  ``docs/findings/lmcache_disk_accounting.py`` shows it with
+LMCache's own calls alone (LMCache issue #4546, open).
 """
 
 from __future__ import annotations

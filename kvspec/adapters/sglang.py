@@ -42,7 +42,9 @@ Conventions, as read from ``sglang/srt/mem_cache/radix_cache.py``:
   ``_split_node`` cuts it: the lower part (the original ``TreeNode``, the unmatched tail)
   keeps the walk's stamp, the upper part is a new ``TreeNode`` stamped in ``__init__``.
   An insert's new leaf is a ``TreeNode`` made after the walk, so it is newer; ``LRUStrategy``
-  orders leaves by ``last_access_time``.  ``inc_lock_ref`` / ``dec_lock_ref`` only walk to
+  orders leaves by ``last_access_time`` (``evict``'s heap of ``(priority, node)``: a tie would
+  fall to ``TreeNode.__lt__``, which finds neither first -- but no two leaves share a stamp,
+  a walk stamping one path).  ``inc_lock_ref`` / ``dec_lock_ref`` only walk to
   the root adjusting ``lock_ref``: they neither stamp nor split.  What this leaves
   unmodelled (the split's upper part stamped after its walk: no eviction order can see it)
   and in which tier the rest is checked is said in ``kvspec.spec.radix_conventions``.

@@ -61,11 +61,18 @@ holds no KV, and a forward pass would write exactly the slots the engine handed 
 Conventions: the radix tree's, as ``kvspec.adapters.sglang`` declares them (whole-leaf
 eviction, recency per node, locks by handle, extra keys as namespaces), at the machine's
 page size; ``trusts_caller=True`` as there (``evict`` of a negative count is a no-op, an
-empty prompt is admitted).  Where SGLang differs from ``spec.radix_pages`` with no
-convention to declare it -- which freed page is reused first (the allocator prepends freed
-pages: the model takes the lowest), and in the thin variant the match one token short of a
-fully cached prompt, eviction ahead of need, and the leaf split at the prompt boundary --
-the verdict shows it under the convention tier (``invariant_pages_refine_spec``).
+empty prompt is admitted); and the allocator's ``page_reuse="last_freed_first"``:
+``alloc`` takes the pages at the front of ``free_pages``, and with ``need_sort=False``
+``_release_page_ids`` puts the pages each ``free`` frees (``torch.unique``: lowest first)
+and each evicted leaf's ``free_segment`` frees (its tokens' order) at the front, so the
+page freed last is reused first.  The order among leaves SGLang's ``evict`` heap pops is
+the model's (``spec.radix_conventions``): a heap over the evictable leaves keyed by
+``last_access_time``, ties left to ``TreeNode.__lt__``, which finds neither first -- and no
+two leaves share a stamp, every walk stamping one path and each new leaf stamped after
+it.  Where SGLang differs from ``spec.radix_pages`` with no convention to declare it --
+in the thin variant the match one token short of a fully cached prompt, eviction ahead of
+need, and the leaf split at the prompt boundary -- the verdict shows it under the
+convention tier (``invariant_pages_refine_spec``).
 """
 
 from __future__ import annotations
@@ -76,9 +83,12 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
+
 from kvspec.adapters.sglang import SglangRadixCache, conventions, engine_version, stand_in_for_torchvision
 from kvspec.spec.block_manager import blocks_for
 from kvspec.spec.components import Offer
+from kvspec.spec.conventions import Conventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.radix_cache import RadixState
@@ -349,6 +359,12 @@ class ThinSglangPages(SglangPages):
         return Held(tokens, tuple(self._engine_slots(row)), record.kv.cache_protected_len)
 
 
+def page_manager_conventions() -> Conventions:
+    """The tree's conventions, and the paged allocator's: the page freed last is reused first."""
+    tree = conventions()
+    return attrs.evolve(tree, radix=attrs.evolve(tree.radix, page_reuse="last_freed_first"))
+
+
 def implementation(
     manager: Callable[[int, int], Any], emulated: set[str], variant: str, side: Callable[[], object] = engine
 ) -> Callable[[], Implementation]:
@@ -357,7 +373,7 @@ def implementation(
         return Implementation(
             name=f"SGLang {engine_version()} RadixCache over PagedTokenToKVPoolAllocator ({variant})",
             radix_page_manager=Offer(manager, emulated=emulated),
-            conventions=conventions(),
+            conventions=page_manager_conventions(),
         )
 
     return factory

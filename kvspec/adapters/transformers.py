@@ -23,7 +23,7 @@ One engine call (or the call sequence of one scheduler step) per operation:
   attention sees it.
 * ``fork(parent, child)`` -> ``prepare_fork_request`` (full blocks shared, the partial last
   block given a fresh block) and ``perform_cache_copy``, as ``ContinuousBatchingProcessor``
-  forks; no room: ``OutOfBlocks``.
+  forks; no room: ``OutOfBlocks``.  Its ``WritePlan`` copies are none: the fork made them.
 * ``free(seq)`` -> ``free_blocks(request_id)``, then ``pool.try_to_free_sectors()``, which the
   scheduler runs first thing at its next step (*emulated*: two calls).
 * prefix caching: ``add_sequence`` -> ``search_prefix_match`` (at most ``(len - 1) // B``
@@ -49,6 +49,10 @@ engine block ``capacity + 1 - b``, so that both hand out block 0 first.
 
 Conventions, as read from ``continuous_batching/cache_allocators``:
 
+* ``manager.fork_partial_block="copy"``: ``fork_blocks`` shares the first
+  ``count_shareable_blocks`` (``past_length // page_size``: the full ones) and backs the
+  rest -- the partial last block -- with fresh blocks that ``perform_cache_copy`` fills, so the
+  child owns its copy from the fork on and no write copies later.
 * ``unhashed_free_position="head"``: ``free_blocks`` returns a table's blocks to the pool in
   table order, ``try_to_free_sectors`` appends the empty sectors to ``free_sectors`` and
   ``allocate_sector`` pops from its end: the last block freed is handed out first.
@@ -62,10 +66,9 @@ Conventions, as read from ``continuous_batching/cache_allocators``:
   ledger of requests is the adapter's: a second admission of a live sequence, or a call on one
   that is not live, is refused (``InvalidOperation``).
 
-What HF does that no declared convention says -- fork copies the partial block at the fork
-(the spec's fork shares every block and copies on write), a duplicate block adopted rather than
-left uncached, every cached block evicted at once, cached blocks kept out of the free pool --
-shows in the verdict, each under the tier of the rule it breaks.
+What HF does that no declared convention says -- a duplicate block adopted rather than left
+uncached, every cached block evicted at once, cached blocks kept out of the free pool -- shows in
+the verdict, each under the tier of the rule it breaks.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ from typing import Any
 from kvspec.spec.block_manager import ManagerState, SeqId, WritePlan, blocks_for
 from kvspec.spec.block_pool import BlockPool, PoolState
 from kvspec.spec.components import Offer
-from kvspec.spec.conventions import Conventions, PoolConventions, WindowConventions
+from kvspec.spec.conventions import Conventions, ManagerConventions, PoolConventions, WindowConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.prefix_cache import ExtraKey
@@ -88,6 +91,7 @@ VERSION = "5.24.0"
 HEAD_DIM = 16  # with one KV head in float32, a page of B tokens is 128 * B bytes: one block per sector
 CONVENTIONS = Conventions(
     pool=PoolConventions(unhashed_free_position="head", policies=("lru",)),
+    manager=ManagerConventions(fork_partial_block="copy"),
     window=WindowConventions(slid_out="ring"),
     trusts_caller=True,
 )

@@ -54,13 +54,16 @@ Conventions, read from the engine's code:
   request is freed (aborted) before alloc").  The adapter's map from kvspec sequences to requests
   answers any other call on a sequence no request holds with ``InvalidOperation``: vLLM's manager
   has no call for it.
-* Sliding windows (``SlidingWindowManager``, window ``W`` = vLLM's ``sliding_window``): blocks
-  leave a table lazily, at the request's next ``allocate_slots`` (``remove_skipped_blocks`` on the
-  computed tokens, "We can do this even if we cannot schedule this request"), for the window of the
-  next token: ``get_num_skipped_tokens(c) = c - W + 1``.  For a one-token append that is kvspec's
-  window; an admission keeps the whole prompt until the next step, and a refused append has
-  already released what slid out.  The sliding-window manager is built with prefix caching off
-  (vLLM's ``--no-enable-prefix-caching``): kvspec's sliding-window layer models no cache.
+* Sliding windows (``SlidingWindowManager``, window ``W`` = vLLM's ``sliding_window``), declared
+  ``WindowConventions(window_of="next_token", release="at_next_allocation")``: a block is kept for
+  the window of the next token, ``get_num_skipped_tokens(c) = c - W + 1``
+  (``vllm/v1/core/single_type_kv_cache_manager.py``), one token narrower than the last token's; and
+  blocks leave a table lazily, at the request's next ``allocate_slots`` (``remove_skipped_blocks`` on
+  the computed tokens, before room is counted: "We can do this even if we cannot schedule this
+  request", ``vllm/v1/core/kv_cache_manager.py``).  So an admission keeps the whole prompt until the
+  next step, a chunk allocates every block it computes, and a refused append has released what slid
+  out.  The sliding-window manager is built with prefix caching off (vLLM's
+  ``--no-enable-prefix-caching``): kvspec's sliding-window layer models no cache.
 
 The hybrid -- a full-attention group and a sliding-window group over one pool, vLLM's
 ``HybridKVCacheCoordinator`` -- is ``VllmHybridManager``, driven by the adapter tests with kvspec's
@@ -77,11 +80,13 @@ from collections.abc import Hashable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
+
 from kvspec.adapters.vllm import VllmBlockPool, engine_version
 from kvspec.spec.block_manager import ManagerState, SeqId, WritePlan
 from kvspec.spec.block_pool import BlockPool, PoolState
 from kvspec.spec.components import Offer
-from kvspec.spec.conventions import Conventions, PoolConventions
+from kvspec.spec.conventions import Conventions, PoolConventions, WindowConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.prefix_cache import Commit, ExtraKey
@@ -91,6 +96,9 @@ VERSION = "0.33.0"
 CONVENTIONS = Conventions(
     pool=PoolConventions(unhashed_free_position="head", duplicate_hash="keep", policies=("lru",)),
     trusts_caller=True,
+)
+SLIDING_CONVENTIONS = attrs.evolve(
+    CONVENTIONS, window=WindowConventions(window_of="next_token", release="at_next_allocation")
 )
 MAX_MODEL_LEN = 1 << 20  # allocate_slots clips a request at max_model_len: far beyond any kvspec machine's
 NULL_BLOCK = 0  # vLLM's placeholder for a skipped (slid-out) entry: held by nobody
@@ -423,4 +431,5 @@ def sliding() -> Implementation:
     """vLLM's sliding-window ``KVCacheManager`` as the sliding-window manager."""
     engine()
     name = f"vLLM {engine_version()} KVCacheManager (sliding window)"
-    return Implementation(name=name, sliding_window_manager=Offer(VllmSlidingWindowManager), conventions=CONVENTIONS)
+    manager = Offer(VllmSlidingWindowManager)
+    return Implementation(name=name, sliding_window_manager=manager, conventions=SLIDING_CONVENTIONS)

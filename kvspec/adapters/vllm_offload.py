@@ -48,6 +48,13 @@ Conventions, as read from ``vllm/v1/kv_offload/cpu/manager.py`` and ``policies/`
   ``ARCCachePolicy`` -- T1/T2 in insertion order, B1/B2 ghosts trimmed to the
   capacity after an eviction, ``target_t1_size`` adapted by ``on_store_miss``
   before the eviction, the victim from T1 when ``len(t1) >= int(target)``.
+* ``refusal_adapts_policy=True``: ``prepare_store`` calls ``on_store_miss``
+  for the keys it does not hold -- ARC adapts its target to a ghost hit and
+  moves the ghost to the young end -- and records the request's accesses
+  "once before any allocation-related early return", so a store refused for
+  want of an evictable chunk (``None``) has still taught ARC; nothing else
+  moves (LRU re-ranks only keys it holds: none, for a refused store of one
+  new key).
 * ``trusts_caller=True``: the manager checks its caller with ``assert`` only
   (``prepare_load`` of a missing or pending chunk, ``complete_load`` of one
   not loading).
@@ -70,7 +77,14 @@ from kvspec.spec.kv_store_policies import ArcLists, Ghosts, eviction_order
 
 VERSION = "0.33.0"
 CONVENTIONS = Conventions(
-    store=StoreConventions(tiers=("cpu",), max_nodes=1, policies=("lru", "arc"), reput="touch", stores="pending"),
+    store=StoreConventions(
+        tiers=("cpu",),
+        max_nodes=1,
+        policies=("lru", "arc"),
+        reput="touch",
+        stores="pending",
+        refusal_adapts_policy=True,
+    ),
     trusts_caller=True,
 )
 

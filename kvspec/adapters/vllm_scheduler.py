@@ -41,6 +41,12 @@ prefill cut by the budget, and ``scheduler_reserve_full_isl``'s admission gate. 
 pool's, as ``kvspec.adapters.vllm_kv_cache_manager`` declares; ``trusts_caller``: ``add_request``
 takes a duplicate id over the first (``self.requests[request.request_id] = request``) and any
 ``n``, ``finish_requests`` ignores an unknown id.
+
+Safety is judged on vLLM's own state and answers.  ``invariant_hits_probed_at_admission`` compares an
+admission's reported cached tokens with the plan of the manager the scheduler was handed; vLLM's scheduler
+probes its own ``KVCacheManager`` instead, so the rule is not reached here: the cached tokens reported are
+vLLM's ``num_computed_tokens`` less the share, and ``invariant_kv_holds_computed_tokens`` judges what the
+computed tokens' KV holds.
 """
 
 from __future__ import annotations

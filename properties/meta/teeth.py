@@ -78,7 +78,7 @@ def assert_filed_under_safety(factory: str, catch: Catch, conventions: Conventio
         """Safety findings of the rule itself, or at whose step it failed too (another safety rule first)."""
         found = [v for v, _ in run.found.values() if v.tier == "safety"]
         return [v for v in found if v.invariant == wanted] + [
-            v for v in found if any(line.startswith(f"{wanted} (safety)") for line in v.consequences)
+            v for v in found if any(c.invariant == wanted and c.tier == "safety" for c in v.consequences)
         ]
 
     def masked(run: conformance.Run) -> bool:

@@ -1,12 +1,15 @@
-"""``docs/engines.md``: each caller-contract finding comes with what it leads to, measured.
+"""``docs/engines.md``: readable, and judged under the rules kvspec has now.
 
-No engine is needed: a verdict is rendered from findings made by hand.
+No engine is needed: a verdict is rendered from findings made by hand, and the page is read as written.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from kvspec.adapters import sglang
-from kvspec.conformance import Verdict, Violation
+from kvspec.verdict import NOT_OFFERED, RuleVerdict, Verdict, Violation, registry_digest
 
 
 def unlock_finding() -> Violation:
@@ -30,5 +33,29 @@ def test_the_page_renders_each_finding_with_its_sequence_and_what_it_leads_to() 
     leads_to = f"what it leads to (measured): {finding.leads_to}"
     assert section.index(finding.heading) < section.index("radix.unlock([0])") < section.index(leads_to)
     assert section.index(leads_to) < section.index("radix.evict(1)")
-    assert "lock by handle, page size 1, extra-key namespaces yes" in section
+    assert "lock_by=handle, page_size=1, extra_key_namespaces=yes" in section
     assert leads_to in str(verdict) and "trusts caller: " + finding.heading in str(verdict)
+
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "engines.md"
+
+
+def test_the_findings_come_first_and_rules_no_machine_reached_take_one_line() -> None:
+    unreached = tuple(RuleVerdict(f"invariant_unreached_{i}", "block_pool", "safety", NOT_OFFERED, 0) for i in range(5))
+    verdict = Verdict("SGLang", "p:f", "ci", sglang.conventions(), unreached, (unlock_finding(),), ())
+    section = verdict.markdown()
+    assert section.index(unlock_finding().heading) < section.index("### safety")
+    assert section.count("invariant_unreached_") == 5 and "Not offered (5): `invariant_unreached_0`, " in section
+    assert "/site-packages/" not in section and "/work/" not in section
+
+
+def test_every_section_of_the_page_was_judged_under_the_rules_kvspec_has_now() -> None:
+    """A section written under an older registry (rules added, renamed or moved between tiers) is stale:
+    regenerate the page (``kvspec engines``, README "Real engines")."""
+    page = PAGE.read_text()
+    sections = re.findall(r"^## (.+)$", page, flags=re.M)
+    registries = dict(re.findall(r"^## (.+?)\n(?:.*\n)*?.*rule registry `([0-9a-f]+)`", page, flags=re.M))
+    assert sections, f"{PAGE} lists no implementation"
+    stale = [name for name in sections if registries.get(name) != registry_digest()]
+    assert not stale, f"written under another rule registry than {registry_digest()}: {stale}"
+    assert not re.search(r"/(?:work|home|root|tmp)/\S+", page), "the page names a path of the machine it ran on"

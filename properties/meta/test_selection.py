@@ -56,6 +56,8 @@ def test_kvspec_check_reports_the_violation_with_its_steps() -> None:
         "--machine",
         "block pool",
         "--json",
+        "--jobs",
+        "1",  # one process: kvspec.workers has its own test, and this one runs beside the suite's
     )
     assert result.returncode == 1, result.stderr
     report = json.loads(result.stdout)
@@ -73,6 +75,6 @@ def test_kvspec_check_reports_the_violation_with_its_steps() -> None:
 
 
 def test_kvspec_check_passes_the_reference() -> None:
-    result = run("-m", "kvspec.cli", "check", "--machine", "block pool")
+    result = run("-m", "kvspec.cli", "check", "--machine", "block pool", "--jobs", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "CONFORMS" in result.stdout and "VIOLATED" not in result.stdout

@@ -23,13 +23,18 @@ from kvspec.impl.broken import Catch
 from kvspec.properties import suite
 from kvspec.properties.loading import load_implementation
 from kvspec.properties.meta.teeth import DETECTION, assert_filed_under_safety, zoo
-from kvspec.spec.conventions import Conventions, PoolConventions, RadixConventions
+from kvspec.spec.conventions import Conventions, ManagerConventions, PoolConventions, RadixConventions
 from kvspec.spec.invariants import invariant_out_of_contract_call_rejected
 
 EVERY_OTHER_CHOICE = Conventions(
     pool=PoolConventions(unhashed_free_position="head", duplicate_hash="keep", policies=("lru",)),
+    manager=ManagerConventions(fork_partial_block="copy"),
     radix=RadixConventions(
-        eviction_granularity="whole_leaves", recency="per_node", lock_by="handle", extra_key_namespaces=False
+        eviction_granularity="whole_leaves",
+        recency="per_node",
+        lock_by="handle",
+        extra_key_namespaces=False,
+        page_reuse="last_freed_first",
     ),
     trusts_caller=True,
 )

@@ -3,7 +3,8 @@
 Nothing checked is never CONFORMS; an unusable adapter is exit 2 in one line, not a violation; optional
 operations left out are "not offered", not violations; a caller-contract finding shows what it leads to,
 measured; a finding on an emulated operation is the adapter's; a crash is its own finding, with its frame;
-Ctrl-C keeps the verdict of what ran; every finding's ``replay`` token runs its example again.
+Ctrl-C keeps the verdict of what ran and is never CONFORMS; every finding's ``replay`` token runs its example
+again.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ ADAPTER_ERRORS = {
 def test_a_broken_adapter_is_exit_2_in_one_line(module: str, tmp_path: Path) -> None:
     """The module lives in the current directory: ``--impl`` finds it there, as ``python -m`` would."""
     (tmp_path / f"{module}.py").write_text(ADAPTER_ERRORS[module])
-    result = cli("check", "--impl", f"{module}:factory", "--machine", "block pool", cwd=tmp_path)
+    result = cli("check", "--impl", f"{module}:factory", "--machine", "block pool", "--jobs", "1", cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and "adapter error" in result.stderr and module in result.stderr
     assert "Traceback" not in result.stderr
@@ -171,6 +172,29 @@ def test_ctrl_c_keeps_the_verdict_of_what_ran() -> None:
     )
     assert found.interrupted and found.status == conformance.VIOLATED
     assert [m.ended for m in found.machines][-1] == "interrupted"
+
+
+def test_ctrl_c_before_any_finding_is_interrupted_never_conforms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ran is kept (the first machine's checks, the machines not started), and no verdict is given."""
+    monkeypatch.setattr(conformance, "profile_settings", lambda profile: QUICK)
+
+    def interrupt_at_the_second(line: str) -> None:
+        if line.startswith("[2/"):
+            raise KeyboardInterrupt
+
+    found = conformance.run_conformance(
+        "kvspec.impl:reference", layers=["block pool (1,024", "sliding-window"], progress=interrupt_at_the_second
+    )
+    assert (found.status, found.conforms, found.exit_status) == (conformance.INTERRUPTED, None, 130)
+    assert [m.ended for m in found.machines] == ["nothing new", "interrupted"] and found.counted == 1
+    assert any(rule.verdict == conformance.HELD for rule in found.rules)
+    assert found.to_json()["conforms"] is None and found.summary().startswith("INTERRUPTED: no verdict -- 1 of 2")
+
+    def interrupt_at_once(line: str) -> None:
+        raise KeyboardInterrupt
+
+    nothing = conformance.run_conformance("kvspec.impl:reference", layers=["block pool"], progress=interrupt_at_once)
+    assert nothing.status == conformance.INTERRUPTED and nothing.not_started == ("block pool (1,024 blocks)",)
 
 
 def test_every_finding_replays_as_printed() -> None:

@@ -69,15 +69,45 @@ def test_release_caches_whole_pages_and_frees_duplicates_and_the_partial_page(va
 
 @pytest.mark.parametrize("variant", FACTORIES)
 def test_freed_pages_are_handed_out_before_lower_free_ones(variant: str) -> None:
-    """``need_sort=False`` (a server outside disaggregation): ``free`` prepends the pages it frees; the model of
-    ``spec.radix_pages`` hands out the lowest free page.  The convention finding of both verdicts."""
+    """``need_sort=False`` (a server outside disaggregation): ``free`` prepends the pages it frees, as both
+    variants declare (``page_reuse="last_freed_first"``); the reference hands out the lowest free page."""
     pages = manager(variant, 5, 2)
     pages.admit(1, [1, 2])
     pages.admit(2, [3, 4])
     pages.release(1, False)
     pages.release(2, False)
     pages.admit(3, [5, 6])
-    assert pages.snapshot().requests[3].slots == (2, 3)  # page 1, freed last; the model takes page 0
+    assert pages.snapshot().requests[3].slots == (2, 3)  # page 1, freed last; the reference takes page 0
+    assert FACTORIES[variant]().conventions.radix.page_reuse == "last_freed_first"
+
+
+def test_the_model_of_last_freed_first_follows_the_engine_through_evictions() -> None:
+    """The shrunk sequence of the replayed variant's verdict before it declared ``last_freed_first``: the leaf
+    evicted at the end holds pages 4 and 3 in the engine (answered 7, 6, 9, 8) where the lowest-first model had
+    given it pages 3 and 4 (9, 8, 7, 6).  Under the declared convention the model follows the engine all the way."""
+    calls: list[tuple[Any, ...]] = [
+        ("admit", 2, (1, 4, 7, 0, 3, 6, 9)),
+        ("release", 2, True),
+        ("admit", 3, (0,) * 12),
+        ("admit", 4, (0,) * 10),
+        ("release", 4, True),
+        ("admit", 1, (1, 4, 7, 0, 3, 6, 9)),
+        ("decode", 1, 8),
+        ("release", 1, True),
+        ("admit", 5, (1, 4, 7, 0, 3, 6, 9)),
+        ("decode", 5, 6),
+        ("release", 5, True),
+        ("admit", 6, (1, 4, 7, 0, 3, 6, 9, 0, 0)),
+        ("decode", 6, 9),
+        ("release", 6, True),
+    ]
+    pages, spec = manager("replayed", 5, 2), radix_pages.new_pages(5, 2, sglang_pages.page_manager_conventions().radix)
+    for operation, *args in calls:
+        answer = getattr(pages, operation)(*args)
+        result = getattr(radix_pages, operation)(spec, *args)
+        spec, expected = result if isinstance(result, tuple) else (result, None)
+        assert (answer, pages.snapshot()) == (expected, radix_pages.abstract(spec)), (operation, args)
+    assert pages.evict(1) == radix_pages.evict(spec, 1)[1] == (7, 6, 9, 8)
 
 
 def test_the_thin_variant_matches_one_token_short_of_a_cached_prompt() -> None:
@@ -140,8 +170,8 @@ def pinned(page_size: int) -> type[LockstepMachine]:
 KNOWN = frozenset(
     {radix_pages.invariant_pages_refine_spec, invariant_result_matches_spec, invariant_verdict_matches_spec}
 )
-"""The convention rules the verdicts break (the order freed pages are reused, and the thin variant's match and
-eviction): examples past them go on checking safety alone."""
+"""The convention rules the thin variant's verdict breaks (its match one token short, its eviction ahead of need):
+examples past them go on checking safety alone."""
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])

@@ -1,10 +1,11 @@
 """HF transformers' continuous batching (``kvspec.adapters.transformers``).
 
 Skipped unless transformers (and torch) import.  Pins the adapter's numbering, the engine's fork
-(full blocks shared, the partial one copied), its prefix sharing (hashes after the forward,
-duplicates adopted), the sliding window's ring read back through the allocator's own indices,
-and paged = contiguous on the real engine: ``generate_batch`` against plain ``generate`` on tiny
-random models built here (nothing downloaded), full attention and a sliding window.
+(full blocks shared, the partial one copied: the declared ``fork_partial_block="copy"``), its
+prefix sharing (hashes after the forward, duplicates adopted), the sliding window's ring read
+back through the allocator's own indices, and paged = contiguous on the real engine:
+``generate_batch`` against plain ``generate`` on tiny random models built here (nothing
+downloaded), full attention and a sliding window.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (kvspe
 
 from kvspec.adapters import transformers as hf  # noqa: E402
 from kvspec.impl.block_pool import BlockPool  # noqa: E402
-from kvspec.spec import block_manager, sliding_window  # noqa: E402
+from kvspec.spec import block_manager, block_pool, sliding_window  # noqa: E402
 from kvspec.spec.conventions import WindowConventions  # noqa: E402
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks  # noqa: E402
 
@@ -48,6 +49,16 @@ def test_fork_shares_the_full_blocks_and_copies_the_partial_one() -> None:
     assert manager.append(1, [6]).copies == ()  # the copy was made at the fork
     assert manager.read(0) == (1, 2, 3, 4, 5) and manager.read(1) == (1, 2, 3, 4, 5, 6)
     assert not [rule for rule, args in block_manager.STATE.evaluations(manager.snapshot()) if rule(*args)]
+
+
+def test_the_fork_is_the_model_of_its_declared_copy() -> None:
+    """``fork_partial_block="copy"``: the model of HF's declared conventions forks into HF's own state."""
+    manager = hf.HfBlockManager(BlockPool(6, "lru"), 3)
+    model = block_manager.new_manager(block_pool.new_pool(6, "lru", hf.CONVENTIONS.pool), 3, hf.CONVENTIONS.manager)
+    manager.add_sequence(0, [1, 2, 3, 4, 5])
+    model, _ = block_manager.add_sequence(model, 0, [1, 2, 3, 4, 5])
+    manager.fork(0, 1)
+    assert manager.snapshot() == block_manager.abstract(block_manager.fork(model, 0, 1))
 
 
 def test_a_fork_that_does_not_fit_is_out_of_blocks() -> None:

@@ -20,7 +20,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (kvspec/adapters/insta
 
 from kvspec.adapters import vllm_kv_cache_manager as adapter  # noqa: E402
 from kvspec.impl.block_pool import BlockPool  # noqa: E402
-from kvspec.spec import block_pool  # noqa: E402
+from kvspec.spec import block_pool, sliding_window  # noqa: E402
+from kvspec.spec.conventions import WindowConventions  # noqa: E402
 from kvspec.spec.errors import OutOfBlocks  # noqa: E402
 from kvspec.spec.prefix_cache import Commit  # noqa: E402
 
@@ -108,12 +109,46 @@ def test_slid_out_entries_are_the_null_block_dropped_at_the_next_allocation() ->
 
 def test_a_refused_append_has_already_released_what_slid_out() -> None:
     """``allocate_slots`` runs ``remove_skipped_blocks`` before it checks for room ("We can do this even if
-    we cannot schedule this request"): kvspec files it under invariant_failed_operation_changes_nothing."""
+    we cannot schedule this request"): declared (``release="at_next_allocation"``), the release is left out of
+    what a refusal must leave as it was, and the model's refused call does the same."""
     windows = adapter.VllmSlidingWindowManager(BlockPool(1, "lru"), 1, 1)
     windows.add_sequence(0, 1)
+    before = windows.snapshot()
     with pytest.raises(OutOfBlocks):
         windows.append(0, 2)
-    assert windows.block_table(0) == (None,) and windows.snapshot().pool.num_free == 1
+    after = windows.snapshot()
+    assert windows.block_table(0) == (None,) and after.pool.num_free == 1
+    declared = adapter.SLIDING_CONVENTIONS.window
+    assert sliding_window.refusal_view(before, declared) == sliding_window.refusal_view(after, declared)
+    assert after.pool.free_queue == (0,) and sliding_window.refusal_view(before, WindowConventions()) != after
+    spec = sliding_window.new_windows(1, 1, block_pool.new_pool(1, "lru", adapter.CONVENTIONS.pool), declared)
+    spec = sliding_window.add_sequence(spec, 0, 1)
+    with pytest.raises(OutOfBlocks):
+        sliding_window.append(spec, 0, 2)
+    assert sliding_window.abstract(sliding_window.after_refusal(spec, 0)) == after
+
+
+def test_the_next_tokens_window_is_released_at_the_next_allocation() -> None:
+    """W = 3 in blocks of 2: each append first releases what left the window of the next token at the tokens
+    computed so far.  Judged on the caller's record, the declared window rule holds at every step."""
+    windows = adapter.VllmSlidingWindowManager(BlockPool(6, "lru"), 2, 3)
+    declared = adapter.SLIDING_CONVENTIONS.window
+
+    def slid_out(tokens: int, before_last_write: int) -> tuple[bool, ...]:
+        """Which entries hold no block, once the declared rule is checked on the caller's record."""
+        record = {0: sliding_window.Written(tokens, before_last_write)}
+        assert sliding_window.invariant_window_blocks_exact(windows.snapshot(), declared, record) is None
+        return tuple(block is None for block in windows.block_table(0))
+
+    windows.add_sequence(0, 5)
+    assert slid_out(5, 0) == (False, False, False)  # the whole prompt, until the next step
+    windows.append(0, 1)
+    assert slid_out(6, 5) == (True, False, False)  # tokens 0-1 had left the window of token 5
+    windows.append(0, 2)
+    assert slid_out(8, 6) == (True, True, False, False)
+    with pytest.raises(OutOfBlocks):
+        windows.append(0, 11)
+    assert slid_out(8, 6) == (True, True, True, False)  # released, though the append was refused
 
 
 # -- the hybrid: kvspec's safety rules on both groups -----------------------------------------------

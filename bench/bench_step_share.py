@@ -1,0 +1,164 @@
+"""kvspec's share of a lockstep step: what each machine costs per step beyond Hypothesis's own stateful runner.
+
+    python -m bench.bench_step_share [--machine TEXT] [--rounds N] [--json]
+
+In one process, under the ``ci`` profile's settings (derandomized; its ``max_examples`` and
+``stateful_step_count``, from ``kvspec.properties.profiles``), it runs Hypothesis's stateful runner on an
+empty machine (two rules that do nothing) and each machine of ``kvspec.properties.suite`` against the
+reference, as ``kvspec check`` runs it (``harness.run_machine``), the two alternating, ``--rounds`` times
+each.  Every kvspec module is loaded first, as ``kvspec check`` loads them, so that the examples drawn are
+the verdict's own.  A step is one rule Hypothesis executed (initialize rules too), counted at the end of each
+step (``check_invariants``); time is this process's CPU seconds, the lowest round of each side.
+
+* Hypothesis's cost per step is the empty machine's: drawing a rule, running it, ending the step;
+* kvspec's cost per step is the machine's minus that: its rules' draws, the models, the implementation,
+  the snapshots and the invariants;
+* the ratio Hypothesis / kvspec is the target: at least 1.0x, kvspec's cost per step at most Hypothesis's own.
+
+CPU seconds, not wall time: other work on the machine leaves them nearly as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from hypothesis import Phase
+from hypothesis import settings as Settings
+from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
+
+from kvspec.properties import harness, loading, profiles, suite
+from kvspec.report import emit_json, table
+
+PROFILE = "ci"
+TARGET = 1.0  # Hypothesis's cost per step / kvspec's
+
+
+class EmptyMachine(RuleBasedStateMachine):
+    """Hypothesis's stateful runner and nothing else: the least any machine's step costs."""
+
+    @rule()
+    def first(self) -> None:
+        pass
+
+    @rule()
+    def second(self) -> None:
+        pass
+
+
+@contextmanager
+def counting_steps(machine: type[RuleBasedStateMachine]) -> Iterator[list[int]]:
+    """Count the steps of ``machine`` and its subclasses while inside: Hypothesis ends every step with
+    ``check_invariants``, and calls it once more before an example's first step."""
+    count = [0]
+    started: weakref.WeakSet[RuleBasedStateMachine] = weakref.WeakSet()
+    own = vars(machine).get("check_invariants")  # restored as it was: the class's own, or none (inherited)
+    original = machine.check_invariants
+
+    def check_invariants(self: RuleBasedStateMachine, *args: Any) -> None:
+        if self in started:
+            count[0] += 1
+        else:
+            started.add(self)
+        original(self, *args)
+
+    machine.check_invariants = check_invariants  # type: ignore[method-assign]
+    try:
+        yield count
+    finally:
+        if own is None:
+            del machine.check_invariants
+        else:
+            machine.check_invariants = own  # type: ignore[method-assign]
+
+
+def run_empty(base: Settings) -> None:
+    """The empty machine under the settings ``harness.run_machine`` gives a lockstep machine."""
+    settings = harness.conformance_settings(base)
+    phases = [phase for phase in settings.phases if phase is not Phase.explain]
+    run_state_machine_as_test(EmptyMachine, settings=Settings(settings, report_multiple_bugs=True, phases=phases))
+
+
+def cpu_per_step(machine: type[RuleBasedStateMachine], run: Callable[[], object]) -> tuple[int, float]:
+    """The steps ``run`` took, and the CPU seconds per step."""
+    with counting_steps(machine) as steps:
+        start = time.process_time()
+        run()
+        seconds = time.process_time() - start
+    return steps[0], seconds / max(steps[0], 1)
+
+
+def measure(title: str, path: str, rounds: int, base: Settings) -> dict[str, Any]:
+    """One machine against the reference and the empty machine, alternating: the lowest CPU per step of each."""
+    machine = suite.load_machine(path)
+    reference = loading.load_implementation(loading.REFERENCE)
+    empty, lockstep = [], []
+    for _ in range(rounds):
+        empty.append(cpu_per_step(EmptyMachine, lambda: run_empty(base)))
+        lockstep.append(cpu_per_step(harness.LockstepMachine, lambda: harness.run_machine(machine, reference, base)))
+    hypothesis_cost = min(per_step for _, per_step in empty)
+    steps, machine_cost = min(lockstep, key=lambda measured: measured[1])
+    kvspec_cost = max(machine_cost - hypothesis_cost, 0.0)
+    return {
+        "machine": title,
+        "steps": steps,
+        "steps_per_cpu_second": 1 / machine_cost,
+        "hypothesis_us_per_step": hypothesis_cost * 1e6,
+        "kvspec_us_per_step": kvspec_cost * 1e6,
+        "kvspec_share": kvspec_cost / machine_cost,
+        "hypothesis_over_kvspec": hypothesis_cost / kvspec_cost if kvspec_cost else float("inf"),
+    }
+
+
+def chosen_machines(text: str) -> list[tuple[str, str]]:
+    """The suite's machines whose title contains ``text`` and whose components the reference brings."""
+    reference = loading.load_implementation(loading.REFERENCE)
+    return [
+        (title, path)
+        for title, path in suite.MACHINES
+        if text in title and not suite.load_machine(path).not_offered(reference)
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_step_share", description=__doc__.splitlines()[0])
+    parser.add_argument("--machine", default="", help="only the machines whose title contains this text")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating (default 2)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    loading.import_every_module()  # Hypothesis draws constants from every loaded module (see that function)
+    base = Settings.get_profile(PROFILE)
+    rows = []
+    with profiles.hypothesis_files_in_cache():  # as ``kvspec check``: no .hypothesis/ in the working directory
+        for title, path in chosen_machines(args.machine):
+            print(f"step share: {title} ...", file=sys.stderr, flush=True)
+            rows.append(measure(title, path, args.rounds, base))
+    if args.json:
+        emit_json({"profile": PROFILE, "target": TARGET, "machines": rows})
+        return 0
+    body = [
+        [
+            row["machine"],
+            row["steps"],
+            round(row["steps_per_cpu_second"]),
+            round(row["hypothesis_us_per_step"]),
+            round(row["kvspec_us_per_step"]),
+            f"{row['kvspec_share']:.0%}",
+            f"{row['hypothesis_over_kvspec']:.2f}x",
+            "yes" if row["hypothesis_over_kvspec"] >= TARGET else "NO",
+        ]
+        for row in rows
+    ]
+    header = ["machine", "steps", "steps/CPU-s", "Hyp. us/step", "kvspec us/step", "kvspec share", "Hyp./kvspec"]
+    title = f"kvspec's share of a step, profile {PROFILE}, against the reference (target Hyp./kvspec >= {TARGET:.1f}x)"
+    print(table([*header, "meets"], body, title=title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""A verdict judged in worker processes is the verdict of one process (``kvspec.workers``)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import types
+
+import pytest
+
+from kvspec import conformance
+from kvspec.impl.radix_cache import RadixCache
+from kvspec.properties.loading import AdapterError
+from kvspec.spec.implementation import Implementation
+
+LAYERS = ["radix = chained hash", "paged attention logits"]  # two short machines: one to each worker
+
+
+def test_the_verdict_of_two_workers_is_the_verdict_of_one_process() -> None:
+    alone = conformance.run_conformance("kvspec.impl:reference", layers=LAYERS, jobs=1)
+    shared = conformance.run_conformance("kvspec.impl:reference", layers=LAYERS, jobs=2)
+    assert alone.status == "CONFORMS" and sum(rule.checks for rule in alone.rules) > 1000
+    assert shared.to_json() == alone.to_json()  # every check counted alike: the same examples drawn
+
+
+def test_a_factory_that_cannot_be_sent_to_a_worker_is_the_adapters_error_in_one_line() -> None:
+    with pytest.raises(AdapterError, match=r"cannot be sent to worker processes .*\(jobs=1\)$"):
+        conformance.run_conformance(
+            lambda: Implementation(name="a lambda", radix_cache=RadixCache), layers=LAYERS, jobs=2
+        )
+
+
+def test_an_adapter_a_worker_cannot_import_is_the_adapters_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    only_here = types.ModuleType("kvspec_only_in_this_process")
+    only_here.factory = lambda: Implementation(name="only here", radix_cache=RadixCache)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, only_here.__name__, only_here)
+    with pytest.raises(AdapterError, match="cannot import 'kvspec_only_in_this_process'"):
+        conformance.run_conformance(f"{only_here.__name__}:factory", layers=LAYERS, jobs=2)
+
+
+class EndsItsWorker(RadixCache):
+    """A cache whose construction ends the interpreter it runs in, as a crash in an engine's native code does."""
+
+    def __init__(self) -> None:
+        if multiprocessing.parent_process() is not None:  # only in a worker: this process must live on
+            os._exit(3)
+        super().__init__()
+
+
+def ends_its_worker() -> Implementation:
+    return Implementation(name="ends its worker", radix_cache=EndsItsWorker)
+
+
+def test_a_worker_the_implementation_kills_is_the_adapters_error_not_a_hang() -> None:
+    with pytest.raises(AdapterError, match="a worker process died while judging machine"):
+        conformance.run_conformance(f"{__name__}:ends_its_worker", layers=LAYERS, jobs=2)
