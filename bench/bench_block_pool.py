@@ -15,7 +15,7 @@ import time
 
 from hypothesis import settings
 
-from kvspec.properties import harness, loading, profiles, suite
+from kvspec.properties import loading, profiles, running, suite
 from kvspec.report import table
 
 BLOCKS, BLOCK_SIZE = 4_096, 16
@@ -52,10 +52,11 @@ def main() -> int:
     print(table(["reference operation (4,096 blocks of 16)", "ops/s"], rows))
     print()
     machine_rows = []
-    for name, path in suite.MACHINES:
+    for declaration in suite.declarations():
+        name = declaration.title
         print(f"running {name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        outcome = harness.run_machine(suite.load_machine(path), REFERENCE)
+        outcome = running.run_machine(declaration.machine, REFERENCE, declaration.settings())
         seconds = time.perf_counter() - start
         steps = outcome.statistics.steps
         machine_rows.append((name, steps, seconds, steps / seconds))

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from hypothesis import settings as Settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvspec.properties import harness, loading, profiles, suite
+from kvspec.properties import loading, profiles, running, suite
 from kvspec.report import emit_json, progress, table
 
 MECHANISMS: dict[str, str] = {
@@ -49,10 +49,11 @@ TARGETS: dict[str, tuple[str, ...]] = {
 NOT_MECHANISMS = re.compile(r" out of contract, rejected$| rejected with |^(Retried draw|Draw for|gave up)")
 
 
-def score(title: str, path: str, base: Settings) -> dict[str, object]:
-    """Run one machine against the reference; its row of the score."""
-    bound = suite.load_machine(path).bind(loading.load_implementation(loading.REFERENCE))
-    run_state_machine_as_test(bound, settings=harness.conformance_settings(base))
+def score(declaration: running.ConformanceTest, base: Settings) -> dict[str, object]:
+    """Run one machine against the reference, as the suite declares it; its row of the score."""
+    title = declaration.title
+    bound = declaration.machine.bind(loading.load_implementation(loading.REFERENCE))
+    run_state_machine_as_test(bound, settings=declaration.settings(base))
     examples = [{text for text in events if not NOT_MECHANISMS.search(text)} for events in bound.statistics.reached]
     shares: dict[str, float | None] = {}
     for mechanism, pattern in MECHANISMS.items():
@@ -77,11 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = Settings.get_profile(args.profile)
     reference = loading.load_implementation(loading.REFERENCE)
     chosen = [
-        (title, path)
-        for title, path in suite.MACHINES
-        if args.machine in title and not suite.load_machine(path).not_offered(reference)  # the reference's own
+        d
+        for d in suite.declarations()
+        if args.machine in d.title and not d.machine.not_offered(reference)  # the reference's own
     ]
-    rows = [score(title, path, base) for title, path in progress(chosen, "machines")]
+    rows = [score(declaration, base) for declaration in progress(chosen, "machines")]
     if args.json:
         emit_json({"profile": args.profile, "machines": rows, "targets": target_rows(rows)})
         return 0

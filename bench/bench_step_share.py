@@ -5,7 +5,7 @@
 In one process, under the ``ci`` profile's settings (derandomized; its ``max_examples`` and
 ``stateful_step_count``, from ``kvspec.properties.profiles``), it runs Hypothesis's stateful runner on an
 empty machine (two rules that do nothing) and each machine of ``kvspec.properties.suite`` against the
-reference, as ``kvspec check`` runs it (``harness.run_machine``), the two alternating, ``--rounds`` times
+reference, as ``kvspec check`` runs it (``running.run_machine``), the two alternating, ``--rounds`` times
 each.  Every kvspec module is loaded first, as ``kvspec check`` loads them, so that the examples drawn are
 the verdict's own.  A step is one rule Hypothesis executed (initialize rules too), counted at the end of each
 step (``check_invariants``); time is this process's CPU seconds, the lowest round of each side.
@@ -32,7 +32,7 @@ from hypothesis import Phase
 from hypothesis import settings as Settings
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from kvspec.properties import harness, loading, profiles, suite
+from kvspec.properties import harness, loading, profiles, running, suite
 from kvspec.report import emit_json, table
 
 PROFILE = "ci"
@@ -78,8 +78,8 @@ def counting_steps(machine: type[RuleBasedStateMachine]) -> Iterator[list[int]]:
 
 
 def run_empty(base: Settings) -> None:
-    """The empty machine under the settings ``harness.run_machine`` gives a lockstep machine."""
-    settings = harness.conformance_settings(base)
+    """The empty machine under the settings ``running.run_machine`` gives a lockstep machine."""
+    settings = running.conformance_settings(base)
     phases = [phase for phase in settings.phases if phase is not Phase.explain]
     run_state_machine_as_test(EmptyMachine, settings=Settings(settings, report_multiple_bugs=True, phases=phases))
 
@@ -93,14 +93,13 @@ def cpu_per_step(machine: type[RuleBasedStateMachine], run: Callable[[], object]
     return steps[0], seconds / max(steps[0], 1)
 
 
-def measure(title: str, path: str, rounds: int, base: Settings) -> dict[str, Any]:
+def measure(title: str, machine: type[harness.LockstepMachine], rounds: int, base: Settings) -> dict[str, Any]:
     """One machine against the reference and the empty machine, alternating: the lowest CPU per step of each."""
-    machine = suite.load_machine(path)
     reference = loading.load_implementation(loading.REFERENCE)
     empty, lockstep = [], []
     for _ in range(rounds):
         empty.append(cpu_per_step(EmptyMachine, lambda: run_empty(base)))
-        lockstep.append(cpu_per_step(harness.LockstepMachine, lambda: harness.run_machine(machine, reference, base)))
+        lockstep.append(cpu_per_step(harness.LockstepMachine, lambda: running.run_machine(machine, reference, base)))
     hypothesis_cost = min(per_step for _, per_step in empty)
     steps, machine_cost = min(lockstep, key=lambda measured: measured[1])
     kvspec_cost = max(machine_cost - hypothesis_cost, 0.0)
@@ -115,13 +114,11 @@ def measure(title: str, path: str, rounds: int, base: Settings) -> dict[str, Any
     }
 
 
-def chosen_machines(text: str) -> list[tuple[str, str]]:
+def chosen_machines(text: str) -> list[tuple[str, type[harness.LockstepMachine]]]:
     """The suite's machines whose title contains ``text`` and whose components the reference brings."""
     reference = loading.load_implementation(loading.REFERENCE)
     return [
-        (title, path)
-        for title, path in suite.MACHINES
-        if text in title and not suite.load_machine(path).not_offered(reference)
+        (d.title, d.machine) for d in suite.declarations() if text in d.title and not d.machine.not_offered(reference)
     ]
 
 
@@ -135,9 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = Settings.get_profile(PROFILE)
     rows = []
     with profiles.hypothesis_files_in_cache():  # as ``kvspec check``: no .hypothesis/ in the working directory
-        for title, path in chosen_machines(args.machine):
+        for title, machine in chosen_machines(args.machine):
             print(f"step share: {title} ...", file=sys.stderr, flush=True)
-            rows.append(measure(title, path, args.rounds, base))
+            rows.append(measure(title, machine, args.rounds, base))
     if args.json:
         emit_json({"profile": PROFILE, "target": TARGET, "machines": rows})
         return 0

@@ -19,6 +19,7 @@ from kvspec.impl.prefix_caching import PrefixCachingBlockManager
 from kvspec.impl.radix_cache import RadixCache
 from kvspec.impl.radix_pages import RadixPageManager
 from kvspec.impl.scheduler import Scheduler
+from kvspec.impl.scheduler_v1 import BudgetScheduler
 from kvspec.impl.sliding_window import SlidingWindowManager
 from kvspec.impl.tiny_model import ModelConfig, TinyModel
 from kvspec.spec.components import Offer, every_operation
@@ -47,6 +48,7 @@ COMPONENTS: dict[str, Callable[..., Any]] = {
 
 EXTENSIONS: dict[str, Callable[..., Any]] = {  # kinds declared by kvspec's layers that Implementation has no field for
     "hierarchical_radix_cache": HierarchicalRadixCache,
+    "token_budget_scheduler": BudgetScheduler,
 }
 
 

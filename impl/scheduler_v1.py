@@ -15,13 +15,10 @@ from collections import deque
 import attrs
 
 from kvspec.spec.admission import prefill_demand
-from kvspec.spec.components import Offer, every_operation
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
-from kvspec.spec.implementation import Implementation
 from kvspec.spec.prefix_cache import PrefixCachingManager, max_hit_blocks
 from kvspec.spec.scheduler import Request, RequestId, check_request, sampled_token
 from kvspec.spec.scheduler_v1 import (
-    TOKEN_BUDGET_SCHEDULER,
     BudgetConfig,
     BudgetReport,
     BudgetState,
@@ -263,13 +260,3 @@ class BudgetScheduler:
         else:
             self._dequeue(slot)
         del self._slots[slot.request_id]
-
-
-def reference() -> Implementation:
-    """The reference implementation with this scheduler as its ``token_budget_scheduler``: what
-    ``kvspec.impl.reference`` will offer once it lists the kind (``kvspec check --impl
-    kvspec.impl.scheduler_v1:reference``)."""
-    from kvspec.impl import reference as everything_else
-
-    offer = Offer(BudgetScheduler, every_operation(TOKEN_BUDGET_SCHEDULER.name))
-    return attrs.evolve(everything_else(), extensions={TOKEN_BUDGET_SCHEDULER.name: offer})

@@ -138,23 +138,25 @@ def replay(argv: Sequence[str]) -> int:
 
 
 def engines(argv: Sequence[str]) -> int:
+    from kvspec.adapters import PUBLISHED
     from kvspec.conformance import UsageError, report_progress, run_conformance
     from kvspec.inputs import check_output_file
     from kvspec.properties import profiles
-    from kvspec.properties.loading import REFERENCE, AdapterError, select
+    from kvspec.properties.loading import AdapterError, select
     from kvspec.report import Parser
 
     parser = Parser(
         prog="kvspec engines",
-        description="Write docs/engines.md: the verdict of each implementation named.",
+        description="Write docs/engines.md: the verdict of each implementation named (default: every published adapter).",
         epilog="exit status: 0 written, 2 usage or adapter error (nothing written), 130 interrupted (nothing written)",
     )
-    parser.add_argument("impls", nargs="*", metavar="MODULE:FACTORY", default=[REFERENCE])
+    parser.add_argument("impls", nargs="*", metavar="MODULE:FACTORY", help="default: every published adapter")
     parser.add_argument("--profile", default="ci", choices=profiles.PROFILES)
     parser.add_argument("--out", default="docs/engines.md", help="where to write (- for standard output)")
     add_jobs(parser)
     parser.add_argument("--traceback", action="store_true", help="on an adapter error, print the whole traceback")
     args = parser.parse_args(argv)
+    args.impls = args.impls or list(PUBLISHED)
     sections = []
     try:
         profiles.check_example_database(args.profile)
@@ -185,7 +187,8 @@ def engines(argv: Sequence[str]) -> int:
 
 ENGINES_HEADER = """# Engines under kvspec
 
-Written by `kvspec engines MODULE:FACTORY ...`; do not edit by hand.  Each
+Written by `kvspec engines` (every adapter of `kvspec.adapters.PUBLISHED`); do
+not edit by hand.  Each
 section is one implementation's verdict (`kvspec check --markdown`): its
 declaration (components, optional operations, what the adapter emulates) and
 conventions, then per tier every invariant -- violated, held (with its

@@ -9,7 +9,7 @@ its own implementation::
   the default is the reference.  A bad value is a usage error, in one line.
 * ``--kv-profile dev|ci|thorough`` runs the machines under one of kvspec's
   Hypothesis profiles; without it they run under whatever profile is loaded.
-* A module declares its machines with ``harness.conformance_test``; the
+* A module declares its machines with ``running.conformance_test``; the
   plugin binds each to the implementation at collection (nothing is bound at
   import time), so they run as ordinary Hypothesis state-machine tests.  Plain
   tests get the implementation from the ``kv_implementation`` fixture.
@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import settings as Settings
 
-from kvspec.properties import harness, loading, profiles
+from kvspec.properties import loading, profiles, running
 from kvspec.spec.implementation import Implementation
 
 SELECTION = pytest.StashKey[tuple[str, Implementation]]()
@@ -69,7 +69,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 def pytest_pycollect_makeitem(collector: pytest.Module | pytest.Class, name: str, obj: object) -> object:
     """Bind each declared machine to the selected implementation, then collect it as pytest would."""
-    if not isinstance(obj, harness.ConformanceTest):
+    if not isinstance(obj, running.ConformanceTest):
         return None
     implementation = collector.config.stash[SELECTION][1]
     bound = obj.bind(implementation, profile_settings(collector.config))

@@ -24,8 +24,9 @@ import hypothesis
 from hypothesis.core import decode_failure
 from hypothesis.errors import InvalidArgument
 
-from kvspec.properties import harness, profiles, suite
+from kvspec.properties import findings, harness, profiles, running, suite
 from kvspec.properties.loading import UsageError, exits_are_the_adapters, load_implementation
+from kvspec.properties.running import ConformanceTest
 from kvspec.spec.invariants import REGISTRY, Invariant
 
 FIELDS = ("impl", "machine", "known", "spared", "blob")
@@ -104,14 +105,11 @@ def read_token(token: str) -> ReplayToken:
     return ReplayToken(impl, machine, tuple(known), variants, blob)
 
 
-MachineEntry = tuple[str, type[harness.LockstepMachine]]
-
-
-def replay(token: str, machines: Sequence[MachineEntry] = ()) -> tuple[str, harness.Finding | None]:
+def replay(token: str, machines: Sequence[ConformanceTest] = ()) -> tuple[str, findings.Finding | None]:
     """Run the example a verdict printed (``Violation.replay``) again: the implementation it names, and its
     finding now (None: it no longer fails)."""
     read = read_token(token)
-    everything = dict([*((title, suite.load_machine(path)) for title, path in suite.MACHINES), *machines])
+    everything = {d.title: d.machine for d in (*suite.declarations(), *machines)}
     machine = everything.get(read.machine)  # every machine imported: the registry is whole
     if machine is None:
         raise UsageError(f"replay token: no machine titled {read.machine!r} in this kvspec")
@@ -123,5 +121,5 @@ def replay(token: str, machines: Sequence[MachineEntry] = ()) -> tuple[str, harn
     with profiles.hypothesis_files_in_cache(), contextlib.redirect_stdout(sys.stderr):
         implementation = load_implementation(path)
         with exits_are_the_adapters(path, f"replaying an example of machine {read.machine!r}"):
-            finding = harness.replay(machine, implementation, read.blob, known=rules, spared=read.spared)
+            finding = running.replay(machine, implementation, read.blob, known=rules, spared=read.spared)
     return path, finding

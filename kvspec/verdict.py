@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 
-from kvspec.properties.harness import FINDING_KINDS
+from kvspec.properties.findings import FINDING_KINDS
 from kvspec.report import table
 from kvspec.spec.conventions import Conventions
 from kvspec.spec.implementation import Implementation
@@ -60,7 +60,7 @@ class Consequence:
 class Violation:
     """One distinct finding."""
 
-    invariant: str  # the rule; without one, the finding's kind (``conformance.UNRULED``)
+    invariant: str  # the rule; without one, the finding's kind (``rounds.UNRULED``)
     tier: str
     operation: str  # the out-of-contract call, for a caller-contract finding
     detail: str
@@ -68,7 +68,7 @@ class Violation:
     steps: tuple[str, ...]
     consequences: tuple[Consequence, ...] = ()  # lower-tier rules that failed at the same step
     knock_ons: tuple[Violation, ...] = ()  # other findings with the same root cause
-    variant: str = ""  # the kind of out-of-contract call (harness.variant_of), for a caller-contract finding
+    variant: str = ""  # the kind of out-of-contract call (findings.variant_of), for a caller-contract finding
     leads_to: str = ""  # measured: what accepting the call leads to (a caller-contract finding, probed)
     leads_to_steps: tuple[str, ...] = ()  # the sequence that shows it
     emulated: bool = False  # the operation is the adapter's emulation: the finding is the adapter's

@@ -2,7 +2,7 @@
 
 Rules:
 
-* Each machine is judged on its own, as a run of its own, sent back as data (``conformance.Judged``);
+* Each machine is judged on its own, as a run of its own, sent back as data (``rounds.Judged``);
   the verdict folds those runs in the machines' order, whichever finished
   first.  In one process or in many the same runs are folded the same way, so
   a derandomized verdict (``ci``) is the same whatever the number of workers:
@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -36,10 +36,11 @@ from kvspec.properties.loading import AdapterError, UsageError, import_every_mod
 from kvspec.properties.profiles import hypothesis_files_in_cache
 
 if TYPE_CHECKING:  # the runner's types; at run time the runner hands its functions in
-    from kvspec.conformance import Judged, MachineEntry
+    from kvspec.properties.running import ConformanceTest
+    from kvspec.rounds import Judged
     from kvspec.spec.implementation import Implementation
 
-    JudgeMachine = Callable[[Implementation, str, str, Any, str], Judged]
+    JudgeMachine = Callable[[Implementation, str, ConformanceTest, str], Judged]
 
 
 @attrs.frozen
@@ -49,7 +50,7 @@ class Plan:
     path: str
     factory: str | Callable[[], Implementation] | Implementation
     profile: str
-    machines: Sequence[MachineEntry]
+    machines: Sequence[ConformanceTest]
     workers: int
 
 
@@ -109,10 +110,10 @@ def judge_each(
     """Each machine's run, as it finishes: in this process, one after the other, or in ``plan.workers``."""
     if plan.workers == 1:
         _, implementation = loaded(plan)
-        for index, (title, machine) in enumerate(plan.machines):
+        for index, declaration in enumerate(plan.machines):
             try:
-                say(f"[{index + 1}/{len(plan.machines)}] {title}")
-                yield index, judge_machine(implementation, plan.path, title, machine, plan.profile)
+                say(f"[{index + 1}/{len(plan.machines)}] {declaration.title}")
+                yield index, judge_machine(implementation, plan.path, declaration, plan.profile)
             except KeyboardInterrupt:
                 yield index, Failed("interrupted", "")
                 return
@@ -133,7 +134,7 @@ def judge_each(
             try:
                 yield task.result()
             except BrokenProcessPool:
-                title = plan.machines[tasks[task]][0]
+                title = plan.machines[tasks[task]].title
                 raise AdapterError(
                     f"{plan.path}: a worker process died while judging machine {title!r}: the implementation ended "
                     "its interpreter (a crash in native code, os._exit)"
@@ -173,11 +174,11 @@ def loaded(plan: Plan) -> tuple[str, Implementation]:
 def judge_in_worker(task: tuple[Plan, JudgeMachine, int]) -> tuple[int, Judged | Failed]:
     """A worker's task: one machine of the plan, judged; its errors sent back, never raised here."""
     plan, judge_machine, index = task
-    title, machine = plan.machines[index]
+    declaration = plan.machines[index]
     try:
         with contextlib.redirect_stdout(sys.stderr), hypothesis_files_in_cache():
             _, implementation = loaded(plan)
-            return index, judge_machine(implementation, plan.path, title, machine, plan.profile)
+            return index, judge_machine(implementation, plan.path, declaration, plan.profile)
     except KeyboardInterrupt:  # raised by the implementation itself: Ctrl-C is ignored here
         return index, Failed("interrupted", "")
     except AdapterError as error:

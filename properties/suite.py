@@ -1,57 +1,63 @@
-"""The conformance suite: every machine, by layer, in the order a report lists them.
+"""The conformance suite: every machine, by layer, in the order a verdict lists them.
 
-Machines are named by ``module:class`` and imported only when run, after the
-implementation under test has been selected.
+The suite is the ``ConformanceTest`` declarations of its test modules, in
+``MODULES``' order and each module's own: the list pytest collects is the list
+``kvspec.run_conformance`` walks, each declaration with its title and its
+settings (``properties/meta/test_routes.py`` holds the two to it).  Under
+pytest a module's name holds the class bound from its declaration, which
+knows it (``declaration_of``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import ConformanceTest, declaration_of
 
-MACHINES: tuple[tuple[str, str], ...] = (
-    ("block pool", "kvspec.properties.test_block_pool:BlockPoolMachine"),
-    ("block pool (1,024 blocks)", "kvspec.properties.test_block_pool:RealisticBlockPoolMachine"),
-    ("block manager", "kvspec.properties.test_block_manager:BlockManagerMachine"),
-    ("block manager (512 blocks of 16)", "kvspec.properties.test_block_manager:RealisticBlockManagerMachine"),
-    ("prefix cache", "kvspec.properties.test_prefix_cache:PrefixCacheMachine"),
-    ("prefix cache (realistic)", "kvspec.properties.test_prefix_cache:RealisticPrefixCacheMachine"),
-    ("prefix cache (deferred commit)", "kvspec.properties.test_prefix_cache:DeferredCommitMachine"),
-    ("radix cache", "kvspec.properties.test_radix_cache:RadixCacheMachine"),
-    ("sliding-window tables", "kvspec.properties.test_sliding_window:SlidingWindowMachine"),
-    ("radix = chained hash", "kvspec.properties.test_radix_cache:RadixAgreesWithChainedHashMachine"),
-    ("radix pages (SGLang's page manager)", "kvspec.properties.test_radix_pages:RadixPagesMachine"),
-    ("paged attention logits", "kvspec.properties.test_paged_attention:PagedAttentionMachine"),
-    (
-        "paged attention: hits, swap, recompute",
-        "kvspec.properties.test_paged_attention_lifecycle:PagedLifecycleMachine",
-    ),
-    ("scheduler (recompute)", "kvspec.properties.test_scheduler:SchedulerMachine"),
-    ("scheduler (swap)", "kvspec.properties.test_scheduler:SwapSchedulerMachine"),
-    ("scheduler deadlock freedom", "kvspec.properties.test_scheduler:DeadlockFreedomMachine"),
-    ("scheduler over the prefix cache", "kvspec.properties.test_scheduler:CachedSchedulerMachine"),
-    ("scheduler (priority)", "kvspec.properties.test_scheduler:PrioritySchedulerMachine"),
-    ("scheduler: paged = contiguous logits", "kvspec.properties.test_scheduler_logits:PagedLogitsSchedulerMachine"),
-    ("token-budget scheduler (vLLM v1's shape)", "kvspec.properties.test_scheduler_v1:TokenBudgetMachine"),
-    ("token-budget scheduler (priority)", "kvspec.properties.test_scheduler_v1:PriorityTokenBudgetMachine"),
-    ("contiguous allocators", "kvspec.properties.test_contiguous:ContiguousMachine"),
-    ("contiguous allocators (A100, 12,596 slots)", "kvspec.properties.test_contiguous:A100ContiguousMachine"),
-    ("tiered KV store (node faults)", "kvspec.properties.test_kv_store:KVStoreMachine"),
-    ("tiered swap (partial swap-in)", "kvspec.properties.test_tiered_swap:TieredSwapMachine"),
-    ("hierarchical radix cache (HiCache)", "kvspec.properties.test_hierarchical_radix:HierarchicalRadixMachine"),
+MODULES: tuple[str, ...] = tuple(
+    f"kvspec.properties.{name}"
+    for name in (
+        "test_block_pool",
+        "test_block_manager",
+        "test_prefix_cache",
+        "test_radix_cache",
+        "test_sliding_window",
+        "test_radix_pages",
+        "test_paged_attention",
+        "test_paged_attention_lifecycle",
+        "test_scheduler",
+        "test_scheduler_logits",
+        "test_scheduler_v1",
+        "test_contiguous",
+        "test_kv_store",
+        "test_tiered_swap",
+        "test_hierarchical_radix",
+    )
 )
 
 
-def load_machine(path: str) -> type[LockstepMachine]:
-    module_name, _, attribute = path.partition(":")
-    machine: type[LockstepMachine] = getattr(importlib.import_module(module_name), attribute)
-    return machine
+@functools.cache
+def declarations() -> tuple[ConformanceTest, ...]:
+    """Every machine of the suite, as its module declares it."""
+    found: dict[int, ConformanceTest] = {}
+    for name in MODULES:
+        for value in vars(importlib.import_module(name)).values():
+            declaration = declaration_of(value)
+            if declaration is not None:
+                found.setdefault(id(declaration), declaration)
+    return tuple(found.values())
+
+
+def declaration_titled(title: str) -> ConformanceTest:
+    """The declaration of the machine titled ``title``."""
+    for declaration in declarations():
+        if declaration.title == title:
+            return declaration
+    raise KeyError(f"no machine titled {title!r}; the suite has {sorted(d.title for d in declarations())}")
 
 
 def machine_titled(title: str) -> type[LockstepMachine]:
-    """The machine listed under ``title``."""
-    paths = dict(MACHINES)
-    if title not in paths:
-        raise KeyError(f"no machine titled {title!r}; the suite has {sorted(paths)}")
-    return load_machine(paths[title])
+    """The machine titled ``title``."""
+    return declaration_titled(title).machine

@@ -28,7 +28,9 @@ from hypothesis.stateful import Bundle, consumes, initialize, invariant, multipl
 
 from kvspec.conformance import run_conformance
 from kvspec.impl.block_manager import CopyingForkBlockManager
-from kvspec.properties.harness import Answer, LockstepMachine, Subject, conformance_test
+from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import conformance_test
+from kvspec.properties.subjects import Answer, Subject
 from kvspec.spec import block_manager as model
 from kvspec.spec import block_pool, speculative
 from kvspec.spec.block_manager import ManagerState, SeqId, WritePlan
@@ -404,8 +406,10 @@ class RealisticBlockManagerMachine(BlockManagerMachine):
     block_sizes = st.just(16)
 
 
-TestBlockManager = conformance_test(BlockManagerMachine)
-TestRealisticBlockManager = conformance_test(RealisticBlockManagerMachine, examples=0.2)
+TestBlockManager = conformance_test(BlockManagerMachine, "block manager")
+TestRealisticBlockManager = conformance_test(
+    RealisticBlockManagerMachine, "block manager (512 blocks of 16)", examples=0.2
+)
 
 
 def copying_fork_reference() -> Implementation:

@@ -24,7 +24,8 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import conformance_test
 from kvspec.spec import block_pool as model
 
 HASHES = st.sampled_from([f"h{i}" for i in range(6)])
@@ -288,5 +289,5 @@ class RealisticBlockPoolMachine(BlockPoolMachine):
     capacities = st.just(1024)
 
 
-TestBlockPool = conformance_test(BlockPoolMachine)
-TestRealisticBlockPool = conformance_test(RealisticBlockPoolMachine, examples=0.2)
+TestBlockPool = conformance_test(BlockPoolMachine, "block pool")
+TestRealisticBlockPool = conformance_test(RealisticBlockPoolMachine, "block pool (1,024 blocks)", examples=0.2)

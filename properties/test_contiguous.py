@@ -23,7 +23,8 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import conformance_test
 from kvspec.spec import contiguous as model
 from kvspec.spec.contiguous import PLACEMENTS, RESERVATIONS, Placement, Reservation
 
@@ -202,5 +203,5 @@ class A100ContiguousMachine(ContiguousMachine):
     max_lengths = st.just(2048)
 
 
-TestContiguous = conformance_test(ContiguousMachine)
-TestA100Contiguous = conformance_test(A100ContiguousMachine, examples=0.2)
+TestContiguous = conformance_test(ContiguousMachine, "contiguous allocators")
+TestA100Contiguous = conformance_test(A100ContiguousMachine, "contiguous allocators (A100, 12,596 slots)", examples=0.2)

@@ -20,7 +20,9 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from kvspec.properties.harness import Answer, LockstepMachine, conformance_test
+from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import conformance_test
+from kvspec.properties.subjects import Answer
 from kvspec.spec import hierarchical_radix as model
 from kvspec.spec import radix_cache
 from kvspec.spec.hierarchical_radix import HierarchicalRadixCache, HierState
@@ -211,7 +213,7 @@ def note_cut(state: HierState, key: tuple[int, ...]) -> None:
         event("walk: ended inside a run whose load is in flight")
 
 
-TestHierarchicalRadix = conformance_test(HierarchicalRadixMachine, examples=0.3)
+TestHierarchicalRadix = conformance_test(HierarchicalRadixMachine, "hierarchical radix cache (HiCache)", examples=0.3)
 
 
 def test_a_demoted_prefix_is_a_host_hit_loaded_back(kv_implementation: Implementation) -> None:

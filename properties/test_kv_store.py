@@ -43,7 +43,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvspec.impl.kv_store import with_conventions
-from kvspec.properties.harness import LockstepMachine, conformance_settings, conformance_test, run_machine
+from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import conformance_settings, conformance_test, run_machine
 from kvspec.spec import invariants
 from kvspec.spec import kv_store as model
 from kvspec.spec import kv_store_placement as placement
@@ -697,7 +698,7 @@ class KVStoreMachine(LockstepMachine):
         self._refines(state)
 
 
-TestKVStore = conformance_test(KVStoreMachine)
+TestKVStore = conformance_test(KVStoreMachine, "tiered KV store (node faults)")
 
 
 def took_the_put(before: StoreState, after: StoreState, key: Key) -> bool:

@@ -33,7 +33,8 @@ from hypothesis import event, given, target
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import conformance_test
 from kvspec.spec import block_manager as model
 from kvspec.spec import block_pool
 from kvspec.spec import paged_attention as spec
@@ -204,7 +205,7 @@ def nearest_beam(beams: list[int], slot: int) -> int:
     return min(beams, key=lambda beam: (beam - slot) % SLOTS)
 
 
-TestPagedAttention = conformance_test(PagedAttentionMachine)
+TestPagedAttention = conformance_test(PagedAttentionMachine, "paged attention logits")
 
 
 def softmax_attention(query: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:

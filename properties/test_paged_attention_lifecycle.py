@@ -37,7 +37,9 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from kvspec.properties.harness import LockstepMachine, Subject, conformance_test
+from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import conformance_test
+from kvspec.properties.subjects import Subject
 from kvspec.spec import block_manager, block_pool, paged_attention
 from kvspec.spec import prefix_cache as model
 from kvspec.spec.paged_attention import PagedKVCache
@@ -296,4 +298,4 @@ class PagedLifecycleMachine(LockstepMachine):
             event("decode after a recompute")
 
 
-TestPagedAttentionLifecycle = conformance_test(PagedLifecycleMachine)
+TestPagedAttentionLifecycle = conformance_test(PagedLifecycleMachine, "paged attention: hits, swap, recompute")

@@ -48,8 +48,9 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvspec.impl.broken import prefix_cache as broken_prefix_cache
 from kvspec.properties.alphabets import EDGE_TOKENS, RICH_KEYS, TOKEN_WRAPS, near_misses
-from kvspec.properties.harness import LockstepMachine, conformance_test, run_machine
+from kvspec.properties.harness import LockstepMachine
 from kvspec.properties.loading import load_implementation
+from kvspec.properties.running import conformance_test, run_machine
 from kvspec.properties.test_block_manager import TARGET_TOKEN, draft_room, draft_sizes, rejections, rollback_event
 from kvspec.spec import block_manager, block_pool, speculative
 from kvspec.spec import prefix_cache as model
@@ -572,9 +573,9 @@ class DeferredCommitMachine(PrefixCacheMachine):
     requires = {"prefix_caching_manager": frozenset({"deferred_commit"})}
 
 
-TestPrefixCache = conformance_test(PrefixCacheMachine)
-TestDeferredCommit = conformance_test(DeferredCommitMachine)
-TestRealisticPrefixCache = conformance_test(RealisticPrefixCacheMachine, examples=0.2)
+TestPrefixCache = conformance_test(PrefixCacheMachine, "prefix cache")
+TestDeferredCommit = conformance_test(DeferredCommitMachine, "prefix cache (deferred commit)")
+TestRealisticPrefixCache = conformance_test(RealisticPrefixCacheMachine, "prefix cache (realistic)", examples=0.2)
 
 
 def test_shared_system_prompt_hits_whole_blocks(kv_implementation: Implementation) -> None:

@@ -24,7 +24,8 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, MultipleResults, consumes, initialize, invariant, multiple, rule
 
-from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import conformance_test
 from kvspec.spec import block_pool, radix_conventions
 from kvspec.spec import radix_cache as model
 from kvspec.spec.conventions import REFERENCE, RadixConventions
@@ -267,8 +268,8 @@ class RadixAgreesWithChainedHashMachine(LockstepMachine):
         event("block-level hit on both" if chained.actual else "no block-level hit")
 
 
-TestRadixCache = conformance_test(RadixCacheMachine)
-TestRadixAgreesWithChainedHash = conformance_test(RadixAgreesWithChainedHashMachine)
+TestRadixCache = conformance_test(RadixCacheMachine, "radix cache")
+TestRadixAgreesWithChainedHash = conformance_test(RadixAgreesWithChainedHashMachine, "radix = chained hash")
 
 
 def test_lru_leaf_first_eviction_keeps_the_shared_trunk(kv_implementation: Implementation) -> None:

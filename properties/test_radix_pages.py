@@ -31,7 +31,9 @@ from hypothesis.stateful import initialize, rule
 
 from kvspec.conformance import run_conformance
 from kvspec.impl.radix_pages import LastFreedFirstPageManager, RadixPageManager
-from kvspec.properties.harness import Answer, LockstepMachine, conformance_test
+from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import conformance_test
+from kvspec.properties.subjects import Answer
 from kvspec.spec import radix_cache
 from kvspec.spec import radix_pages as model
 from kvspec.spec.conventions import Conventions, RadixConventions
@@ -275,7 +277,7 @@ class RadixPagesMachine(LockstepMachine):
         super().teardown()
 
 
-TestRadixPages = conformance_test(RadixPagesMachine)
+TestRadixPages = conformance_test(RadixPagesMachine, "radix pages (SGLang's page manager)")
 
 
 def last_freed_first_reference() -> Implementation:

@@ -39,7 +39,8 @@ from hypothesis import event, target
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import conformance_test
 from kvspec.spec import admission, block_manager, block_pool, kv_transfer, preemption, prefix_cache, sample_groups
 from kvspec.spec import scheduler as model
 from kvspec.spec.errors import RequestTooLarge
@@ -690,8 +691,8 @@ class DeadlockFreedomMachine(SchedulerMachineBase):
             self.stepped(before, answer.actual)
 
 
-TestSchedulerRecompute = conformance_test(SchedulerMachine)
-TestSchedulerSwap = conformance_test(SwapSchedulerMachine)
-TestDeadlockFreedom = conformance_test(DeadlockFreedomMachine)
-TestCachedScheduler = conformance_test(CachedSchedulerMachine)
-TestPriorityScheduler = conformance_test(PrioritySchedulerMachine)
+TestSchedulerRecompute = conformance_test(SchedulerMachine, "scheduler (recompute)")
+TestSchedulerSwap = conformance_test(SwapSchedulerMachine, "scheduler (swap)")
+TestDeadlockFreedom = conformance_test(DeadlockFreedomMachine, "scheduler deadlock freedom")
+TestCachedScheduler = conformance_test(CachedSchedulerMachine, "scheduler over the prefix cache")
+TestPriorityScheduler = conformance_test(PrioritySchedulerMachine, "scheduler (priority)")

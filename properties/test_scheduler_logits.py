@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from hypothesis import event
 
-from kvspec.properties.harness import conformance_test
+from kvspec.properties.running import conformance_test
 from kvspec.properties.test_scheduler import SwapSchedulerMachine
 from kvspec.spec import paged_attention
 from kvspec.spec.block_manager import SeqId
@@ -146,4 +146,6 @@ class PagedLogitsSchedulerMachine(SwapSchedulerMachine):
                 self.history[seq].extend(logits)
 
 
-TestPagedLogitsScheduler = conformance_test(PagedLogitsSchedulerMachine, examples=0.5)
+TestPagedLogitsScheduler = conformance_test(
+    PagedLogitsSchedulerMachine, "scheduler: paged = contiguous logits", examples=0.5
+)

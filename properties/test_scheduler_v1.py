@@ -25,23 +25,22 @@ from typing import Any, ClassVar
 
 import attrs
 from hypothesis import event
-from hypothesis import settings as Settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from kvspec.properties.harness import ConformanceTest, LockstepMachine
+from kvspec.properties.harness import LockstepMachine
 from kvspec.properties.loading import load_implementation
+from kvspec.properties.running import conformance_test
 from kvspec.properties.test_scheduler import answered, watch_plans
 from kvspec.spec import admission, block_manager, block_pool, preemption, prefix_cache, scheduler
 from kvspec.spec import scheduler_v1 as shape
 from kvspec.spec import scheduler_v1_model as model
-from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import invariant_result_matches_spec
 from kvspec.spec.scheduler import QueuePolicy, Request
 from kvspec.spec.scheduler_v1 import BudgetConfig, BudgetState
 
 KIND = shape.TOKEN_BUDGET_SCHEDULER.name
-REFERENCE = "kvspec.impl.scheduler_v1:reference"
+REFERENCE = "kvspec.impl:reference"
 
 
 def documents(block_size: int) -> tuple[tuple[int, ...], ...]:
@@ -257,20 +256,12 @@ class PriorityTokenBudgetMachine(TokenBudgetMachine):
     requires = {KIND: frozenset({"priority"})}
 
 
-@attrs.frozen
-class TokenBudgetTest(ConformanceTest):
-    """A machine of a kind ``kvspec.impl.reference`` does not list yet: an implementation under test that
-    brings no ``token_budget_scheduler`` borrows the reference's (``kvspec.impl.scheduler_v1:reference``)."""
-
-    def bind(self, implementation: Implementation, base: Settings | None = None) -> type:
-        if KIND not in implementation.offers():
-            extensions = {**implementation.extensions, KIND: load_implementation(REFERENCE).component(KIND)}
-            implementation = attrs.evolve(implementation, extensions=extensions)
-        return super().bind(implementation, base)
-
-
-TestTokenBudgetScheduler = TokenBudgetTest(TokenBudgetMachine, examples=0.4)
-TestPriorityTokenBudgetScheduler = TokenBudgetTest(PriorityTokenBudgetMachine, examples=0.3)
+TestTokenBudgetScheduler = conformance_test(
+    TokenBudgetMachine, "token-budget scheduler (vLLM v1's shape)", examples=0.4
+)
+TestPriorityTokenBudgetScheduler = conformance_test(
+    PriorityTokenBudgetMachine, "token-budget scheduler (priority)", examples=0.3
+)
 
 
 def test_a_long_prompt_is_served_in_chunks_and_finishes() -> None:

@@ -26,7 +26,8 @@ from hypothesis.stateful import initialize, invariant, rule
 
 from kvspec.conformance import run_conformance
 from kvspec.impl.sliding_window import NextTokenWindowManager, RingSlidingWindowManager
-from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import conformance_test
 from kvspec.spec import block_pool
 from kvspec.spec import sliding_window as model
 from kvspec.spec.conventions import Conventions
@@ -169,7 +170,7 @@ def released_entries(state: model.WindowState) -> int:
     return sum(1 for table in state.tables.values() for block in table if block is None)
 
 
-TestSlidingWindow = conformance_test(SlidingWindowMachine)
+TestSlidingWindow = conformance_test(SlidingWindowMachine, "sliding-window tables")
 
 
 def ring_reference() -> Implementation:

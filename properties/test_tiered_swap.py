@@ -21,7 +21,8 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from kvspec.properties.harness import LockstepMachine, conformance_test
+from kvspec.properties.harness import LockstepMachine
+from kvspec.properties.running import conformance_test
 from kvspec.spec import block_manager as model
 from kvspec.spec import block_pool, kv_store, tiered_swap
 from kvspec.spec.conventions import StorePolicy
@@ -291,4 +292,4 @@ class TieredSwapMachine(LockstepMachine):
         self.check(kv_store.invariant_store_refines_spec, stored, kv_store.abstract(self.store.model))
 
 
-TestTieredSwap = conformance_test(TieredSwapMachine)
+TestTieredSwap = conformance_test(TieredSwapMachine, "tiered swap (partial swap-in)")

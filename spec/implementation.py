@@ -58,6 +58,7 @@ from kvspec.spec.block_pool import BlockPool, Policy
 from kvspec.spec.components import KINDS, DeclarationError, Offer, as_offer, check_offer
 from kvspec.spec.contiguous import ContiguousAllocator, Placement
 from kvspec.spec.conventions import Conventions
+from kvspec.spec.invariants import REGISTRY, Invariant
 from kvspec.spec.kv_store import KVStore
 from kvspec.spec.paged_attention import KVShape, PagedKVCache, SequenceCache
 from kvspec.spec.prefix_cache import PrefixCachingManager
@@ -131,6 +132,14 @@ class Implementation:
         """Whether the component of ``kind`` in use (own or borrowed) offers the optional ``operation``."""
         offer = self.offers().get(kind)
         return offer is not None and operation in offer.operations
+
+    def rules_not_offered(self) -> frozenset[Invariant]:
+        """The rules no machine reaches against this implementation: it offers none of the operations each needs."""
+        return frozenset(
+            rule
+            for rule in REGISTRY.values()
+            if rule.needs and not any(self.offers_operation(*need.split(".", 1)) for need in rule.needs)
+        )
 
     def complete_with(self, reference: Implementation) -> Implementation:
         """Fill every component this implementation leaves out from ``reference``."""

@@ -11,7 +11,7 @@ A member is declared once, in one line, beside the broken component it builds::
 it): those components, each offering every optional operation of its kind
 (as the reference it subclasses does), every other component borrowed from
 the reference.  Its claims pair each invariant the member breaks with a
-machine's title in ``kvspec.properties.suite.MACHINES``: that machine,
+machine's title in ``kvspec.properties.suite``: that machine,
 checking the invariant alone, must find the violation.  One meta-test
 (``properties/meta/test_zoo.py``) runs every claim of every module here.  A
 factory function may declare its claims with ``@caught_by(invariant,

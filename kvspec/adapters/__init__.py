@@ -2,26 +2,33 @@
 
 Each module wraps one engine's own data structure, one engine call per kvspec
 operation and no validation the engine lacks, and declares the engine's
-conventions (``kvspec.spec.conventions``) as read from its code:
-
-* ``kvspec.adapters.vllm:factory`` -- vLLM's v1 ``BlockPool`` (tested: vLLM 0.33.0).
-* ``kvspec.adapters.sglang:factory`` -- SGLang's ``RadixCache`` with a simulated
-  allocator (tested: SGLang 0.5.23); ``sglang_page_size(n)`` for other page sizes.
+conventions (``kvspec.spec.conventions``) as read from its code; README's
+"Real engines" table lists them with the versions they were tested against.
 
 The engines are imported lazily, when a factory is called: importing kvspec
 never needs them.  Install them apart from kvspec's core install, with the
-pinned lists next to this file (``requirements-vllm.txt``,
-``requirements-sglang.txt``) and ``install-engines.sh``; the README gives the
-commands.  ``kvspec engines kvspec.adapters.vllm:factory kvspec.adapters.sglang:factory``
-runs the verdicts and writes ``docs/engines.md``.
+pinned lists next to this file and ``install-engines.sh``; the README gives
+the commands.  ``PUBLISHED`` is what ``docs/engines.md`` publishes, in its
+order: ``kvspec engines`` without a MODULE:FACTORY writes every one of them.
 """
 
 from __future__ import annotations
 
-ADAPTERS: tuple[tuple[str, str, str], ...] = (
-    # (engine, pinned version, module:factory)
-    ("vLLM", "0.33.0", "kvspec.adapters.vllm:factory"),
-    ("SGLang", "0.5.23", "kvspec.adapters.sglang:factory"),
+PUBLISHED: tuple[str, ...] = (  # one component per section where an adapter brings several (HF's: minutes each)
+    "kvspec.adapters.vllm:factory",
+    "kvspec.adapters.vllm_kv_cache_manager:full",
+    "kvspec.adapters.vllm_kv_cache_manager:sliding",
+    "kvspec.adapters.vllm_scheduler:factory",
+    "kvspec.adapters.vllm_offload:factory",
+    "kvspec.adapters.sglang:factory",
+    "kvspec.adapters.sglang_pages:factory",
+    "kvspec.adapters.sglang_pages:thin_factory",
+    "kvspec.adapters.transformers:block_manager_factory",
+    "kvspec.adapters.transformers:prefix_caching_factory",
+    "kvspec.adapters.transformers:sliding_window_factory",
+    "kvspec.adapters.lmcache:factory",
+    "kvspec.adapters.mooncake:factory",
+    "kvspec.adapters.lmdeploy:factory",
 )
 
 

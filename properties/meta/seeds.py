@@ -27,9 +27,9 @@ from kvspec.properties import (
     profiles,  # noqa: F401 -- registers dev, ci and thorough
     suite,
 )
-from kvspec.properties.harness import conformance_settings
 from kvspec.properties.loading import load_implementation
 from kvspec.properties.meta.teeth import DETECTION, zoo
+from kvspec.properties.running import conformance_settings
 from kvspec.report import Parser, progress, table
 from kvspec.spec.invariants import InvariantViolation
 

@@ -20,12 +20,13 @@ import attrs
 from hypothesis import Phase
 from hypothesis import settings as Settings
 
-from kvspec import conformance
+from kvspec import conformance, rounds
 from kvspec.impl import broken
 from kvspec.impl.broken import Catch
 from kvspec.properties import suite
-from kvspec.properties.harness import LockstepMachine, replay, run_machine
+from kvspec.properties.harness import LockstepMachine
 from kvspec.properties.loading import load_implementation
+from kvspec.properties.running import replay, run_machine
 from kvspec.spec.conventions import Conventions
 from kvspec.spec.invariants import Invariant
 
@@ -74,22 +75,24 @@ def assert_filed_under_safety(factory: str, catch: Catch, conventions: Conventio
         implementation = attrs.evolve(implementation, conventions=conventions)
     wanted = catch.invariant.name
 
-    def filed(run: conformance.Run) -> list[conformance.Violation]:
+    def filed(run: rounds.Run) -> list[conformance.Violation]:
         """Safety findings of the rule itself, or at whose step it failed too (another safety rule first)."""
         found = [v for v, _ in run.found.values() if v.tier == "safety"]
         return [v for v in found if v.invariant == wanted] + [
             v for v in found if any(c.invariant == wanted and c.tier == "safety" for c in v.consequences)
         ]
 
-    def masked(run: conformance.Run) -> bool:
+    def masked(run: rounds.Run) -> bool:
         """Another safety rule the same bug breaks fired first: the bug is filed under safety, and the rule's
         own teeth are shown alone (``assert_caught``)."""
         return any(v.tier == "safety" for v, _ in run.found.values())
 
     # as shipped, on until the rule itself is filed; declaring other conventions, a safety finding answers
-    run = conformance.Run(implementation, factory, answered=masked if conventions else lambda run: bool(filed(run)))
+    run = rounds.Run(implementation, factory, answered=masked if conventions else lambda run: bool(filed(run)))
     base = Settings(Settings(), derandomize=True, database=None, phases=DETECTION)
-    run.machines.append(conformance.run_one(run, catch.machine, suite.machine_titled(catch.machine), base))
+    # the whole budget of the profile, whatever share of it the suite gives the machine under pytest
+    declaration = attrs.evolve(suite.declaration_titled(catch.machine), examples=1.0)
+    run.machines.append(rounds.run_one(run, declaration, base))
     declared = "as shipped" if conventions is None else "declaring other conventions"
     found = filed(run)
     if not found and masked(run):  # filed under safety; as shipped, the rule's teeth are shown alone

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvspec.adapters import sglang
+from kvspec.adapters import PUBLISHED, sglang
 from kvspec.verdict import NOT_OFFERED, RuleVerdict, Verdict, Violation, registry_digest
 
 
@@ -59,3 +59,18 @@ def test_every_section_of_the_page_was_judged_under_the_rules_kvspec_has_now() -
     stale = [name for name in sections if registries.get(name) != registry_digest()]
     assert not stale, f"written under another rule registry than {registry_digest()}: {stale}"
     assert not re.search(r"/(?:work|home|root|tmp)/\S+", page), "the page names a path of the machine it ran on"
+
+
+README = PAGE.parents[1] / "README.md"
+
+
+def test_every_adapter_the_readme_lists_is_published_on_the_page() -> None:
+    """README's table names each adapter (and in parentheses its other factories); the page has a section of each."""
+    rows = re.findall(r"^\| `(kvspec\.adapters\.\w+):(\w+)`(?: \(([^)|]*)\))? \|", README.read_text(), flags=re.M)
+    listed = {
+        f"{module}:{factory}" for module, first, others in rows for factory in [first, *re.findall(r"`:(\w+)`", others)]
+    }
+    assert len(rows) >= 10, "README's table of adapters was not found"
+    assert listed == set(PUBLISHED), f"README lists {sorted(listed ^ set(PUBLISHED))} otherwise than PUBLISHED"
+    judged = re.findall(r"^`([\w.]+:\w+)`, profile `", PAGE.read_text(), flags=re.M)
+    assert judged == list(PUBLISHED), f"docs/engines.md has sections {judged}; kvspec engines writes {PUBLISHED}"

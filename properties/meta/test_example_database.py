@@ -21,7 +21,7 @@ MEMBER = "kvspec.impl.broken.block_pool:leaks_on_free"
 RUN = """
 import sys
 from hypothesis import Phase, settings
-from kvspec.properties import harness
+from kvspec.properties import harness, running
 from kvspec.properties.loading import load_implementation
 from kvspec.properties.profiles import check_example_database
 from kvspec.properties.test_block_pool import BlockPoolMachine
@@ -29,7 +29,7 @@ from kvspec.spec.block_pool import invariant_no_leak
 
 check_example_database("dev")
 phases = [Phase.reuse] if sys.argv[1] == "replay" else [Phase.reuse, Phase.generate]
-found = harness.run_machine(
+found = running.run_machine(
     BlockPoolMachine, load_implementation(sys.argv[2]), settings(settings.get_profile("dev"), phases=phases),
     only=frozenset({invariant_no_leak}),
 )

@@ -25,10 +25,12 @@ from hypothesis.stateful import invariant
 
 from kvspec.impl.broken import block_pool as broken_block_pool
 from kvspec.properties import suite
-from kvspec.properties.harness import Finding, LockstepMachine, run_machine
+from kvspec.properties.findings import Finding
+from kvspec.properties.harness import LockstepMachine
 from kvspec.properties.loading import load_implementation
 from kvspec.properties.meta.teeth import DETECTION, zoo
 from kvspec.properties.profiles import default_profile
+from kvspec.properties.running import run_machine
 from kvspec.properties.test_block_pool import BlockPoolMachine
 from kvspec.spec import block_pool
 from kvspec.spec.conventions import (
@@ -62,9 +64,7 @@ def counting(implementation: Implementation) -> tuple[str, ...]:
     """The machines that count a component ``implementation`` brings and can run against it."""
     own = implementation.own_components()
     return tuple(
-        title
-        for title, _ in suite.MACHINES
-        if (machine := suite.machine_titled(title)).uses & own and not machine.not_offered(implementation)
+        d.title for d in suite.declarations() if d.machine.uses & own and not d.machine.not_offered(implementation)
     )
 
 

@@ -13,10 +13,10 @@ from hypothesis import settings as Settings
 from hypothesis.stateful import rule
 
 from kvspec import properties
-from kvspec.properties.harness import run_machine
 from kvspec.properties.loading import load_implementation
 from kvspec.properties.meta.provenance import safety_checks_reading_the_model
 from kvspec.properties.meta.teeth import DETECTION
+from kvspec.properties.running import run_machine
 from kvspec.properties.test_block_pool import BlockPoolMachine
 from kvspec.spec import block_pool
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,8 @@ def test_pytest_plugin_from_another_project_names_the_invariant(tmp_path: Path) 
     )
     assert result.returncode == 1
     assert "invariant_no_leak violated" in result.stdout
-    assert "state.release" in result.stdout  # Hypothesis prints the shrunk sequence of rules
+    # Hypothesis prints the shrunk sequence of rules (which rules depends on its shrinker's version)
+    assert re.search(r"state\.start\(.*state\.(?!start)\w+\(", result.stdout, re.DOTALL), result.stdout
 
 
 def test_kvspec_check_reports_the_violation_with_its_steps() -> None:

@@ -18,7 +18,7 @@ import attrs
 import pytest
 from hypothesis import settings as Settings
 
-from kvspec import conformance
+from kvspec import conformance, rounds
 from kvspec.impl.broken import Catch
 from kvspec.properties import suite
 from kvspec.properties.loading import load_implementation
@@ -62,8 +62,8 @@ def test_a_safety_member_declaring_other_conventions_is_filed_under_safety(facto
 )
 def test_declarations_never_make_a_safety_finding(title: str) -> None:
     reference = attrs.evolve(load_implementation("kvspec.impl:reference"), conventions=EVERY_OTHER_CHOICE)
-    run = conformance.Run(reference, "kvspec.impl:reference")
+    run = rounds.Run(reference, "kvspec.impl:reference")
     base = Settings(Settings(), derandomize=True, database=None, phases=DETECTION)
-    run.machines.append(conformance.run_one(run, title, suite.machine_titled(title), base))
+    run.machines.append(rounds.run_one(run, suite.declaration_titled(title), base))
     found = conformance.verdict_of(run, "ci")
     assert not [v for v in found.violations if v.tier == "safety"], str(found)

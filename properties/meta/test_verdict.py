@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings as Settings
 
-from kvspec import conformance
+from kvspec import conformance, rounds
 from kvspec.impl.block_manager import BlockManager
 from kvspec.impl.block_pool import BlockPool
 from kvspec.impl.broken import block_pool as broken_pools
@@ -34,11 +34,11 @@ QUICK = Settings(max_examples=25, stateful_step_count=25, derandomize=True, data
 
 def verdict_of(implementation: Implementation, *titles: str, path: str = "test") -> conformance.Verdict:
     """The verdict of these machines, on a small budget (kvspec.conformance's own rounds and probes)."""
-    run = conformance.Run(implementation.complete_with(load_implementation("kvspec.impl:reference")), path)
+    run = rounds.Run(implementation.complete_with(load_implementation("kvspec.impl:reference")), path)
     for title in titles:
         run.selected.update(suite.machine_titled(title).judges)
-        run.machines.append(conformance.run_one(run, title, suite.machine_titled(title), QUICK))
-    conformance.measure_consequences(run, QUICK, None)
+        run.machines.append(rounds.run_one(run, suite.declaration_titled(title), QUICK))
+    rounds.measure_consequences(run, QUICK, None)
     return conformance.verdict_of(run, "quick")
 
 
@@ -176,7 +176,7 @@ def test_ctrl_c_keeps_the_verdict_of_what_ran() -> None:
 
 def test_ctrl_c_before_any_finding_is_interrupted_never_conforms(monkeypatch: pytest.MonkeyPatch) -> None:
     """What ran is kept (the first machine's checks, the machines not started), and no verdict is given."""
-    monkeypatch.setattr(conformance, "profile_settings", lambda profile: QUICK)
+    monkeypatch.setattr(rounds, "profile_settings", lambda profile: QUICK)
 
     def interrupt_at_the_second(line: str) -> None:
         if line.startswith("[2/"):

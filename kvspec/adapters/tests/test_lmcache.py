@@ -20,7 +20,7 @@ from hypothesis import Phase, settings
 pytest.importorskip("lmcache.v1.storage_backend.local_disk_backend", reason="LMCache is not installed")
 
 from kvspec.adapters import lmcache  # noqa: E402
-from kvspec.properties.harness import run_machine  # noqa: E402
+from kvspec.properties.running import run_machine  # noqa: E402
 from kvspec.properties.test_kv_store import KVStoreMachine  # noqa: E402
 from kvspec.spec import kv_store  # noqa: E402
 from kvspec.spec.errors import InvalidOperation  # noqa: E402

@@ -16,7 +16,7 @@ pytest.importorskip("lmdeploy.pytorch.paging.scheduler", reason="LMDeploy is not
 
 from kvspec.adapters import lmdeploy  # noqa: E402
 from kvspec.impl.block_pool import BlockPool  # noqa: E402
-from kvspec.properties.harness import run_machine  # noqa: E402
+from kvspec.properties.running import run_machine  # noqa: E402
 from kvspec.properties.test_block_manager import BlockManagerMachine  # noqa: E402
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks  # noqa: E402
 

@@ -24,7 +24,7 @@ from hypothesis import Phase, settings
 pytest.importorskip("mooncake.store", reason="the Mooncake store is not installed (kvspec/adapters/install-engines.sh)")
 
 from kvspec.adapters import mooncake  # noqa: E402
-from kvspec.properties.harness import run_machine  # noqa: E402
+from kvspec.properties.running import run_machine  # noqa: E402
 from kvspec.properties.test_kv_store import KVStoreMachine  # noqa: E402
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks  # noqa: E402
 

@@ -17,7 +17,8 @@ from hypothesis.stateful import initialize
 pytest.importorskip("sglang", reason="SGLang is not installed (kvspec/adapters/install-engines.sh)")
 
 from kvspec.adapters import sglang_pages  # noqa: E402  (after the skip: it imports the engine lazily, but needs it)
-from kvspec.properties.harness import LockstepMachine, run_machine  # noqa: E402
+from kvspec.properties.harness import LockstepMachine  # noqa: E402
+from kvspec.properties.running import run_machine  # noqa: E402
 from kvspec.properties.test_radix_pages import RadixPagesMachine  # noqa: E402
 from kvspec.spec import radix_pages  # noqa: E402
 from kvspec.spec.errors import OutOfBlocks  # noqa: E402

@@ -17,7 +17,7 @@ pytest.importorskip(
 )
 
 from kvspec.adapters import vllm_offload  # noqa: E402
-from kvspec.properties.harness import run_machine  # noqa: E402
+from kvspec.properties.running import run_machine  # noqa: E402
 from kvspec.properties.test_kv_store import KVStoreMachine  # noqa: E402
 from kvspec.spec import kv_store  # noqa: E402
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks  # noqa: E402
