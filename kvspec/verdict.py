@@ -30,6 +30,7 @@ from typing import Any
 
 import attrs
 
+from kvspec.adapters import REPRODUCED
 from kvspec.properties.findings import FINDING_KINDS
 from kvspec.report import table
 from kvspec.spec.conventions import Conventions
@@ -238,6 +239,7 @@ class Verdict:
             for violation in self.findings_of(tier):
                 lines = finding_lines(violation, self.excused(violation))
                 out += ["", f"- **[{violation.tier}]** {lines[0]}", *markdown_item(lines[1:])]
+                out += reproduction_line(self.path, violation) if tier == "safety" else []
         for tier in TIERS:
             reached = [r for r in self.rules if r.tier == tier and r.verdict in (VIOLATED, HELD, NOT_REACHED)]
             out += ["", f"### {tier}", "", "| invariant | verdict | checks |", "|---|---|---|"]
@@ -246,6 +248,19 @@ class Verdict:
                 names = [f"`{r.invariant}`" for r in self.rules if r.tier == tier and r.verdict == word]
                 out += ["", f"{word.capitalize()} ({len(names)}): {', '.join(names)}."] if names else []
         return "\n".join(out) + "\n"
+
+
+def reproduction_line(path: str, violation: Violation) -> list[str]:
+    """Where a safety finding is shown with the engine alone (``kvspec.adapters.REPRODUCED``), or that it is not."""
+    script = REPRODUCED.get((path, violation.invariant))
+    if script is None:
+        return ["", "  not reproduced without kvspec: no script in `docs/findings/` shows it with the engine alone"]
+    shown = f"[`docs/findings/{script}`](findings/{script})"
+    return [
+        "",
+        f"  reproduced with the engine alone: {shown}; the damage as measured, the engine's source lines",
+        "  and its status upstream: [`docs/findings/README.md`](findings/README.md)",
+    ]
 
 
 def markdown_item(lines: Sequence[str]) -> list[str]:

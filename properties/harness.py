@@ -80,6 +80,7 @@ from kvspec.properties.findings import (
 )
 from kvspec.properties.subjects import Answer, Specs, Subject, compared, refusal_views, split_result
 from kvspec.properties.transcript import AnsweredDifferently, Transcript
+from kvspec.spec.components import check_operation
 from kvspec.spec.errors import InvalidOperation, KVSpecError, verdict
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import (
@@ -177,6 +178,9 @@ class LockstepMachine(RuleBasedStateMachine):
         after the implementation accepts one, check safety alone: what breaks is its consequence.
         """
         check_names(cls)
+        for kind, operations in cls.requires.items():
+            for operation in operations:
+                check_operation(kind, operation)
         if spared is None:
             spared = EVERY_OPERATION if implementation.conventions.trusts_caller else frozenset()
         namespace: dict[str, Any] = {
@@ -218,6 +222,7 @@ class LockstepMachine(RuleBasedStateMachine):
         """Whether the implementation under test offers ``kind``'s optional ``operation``."""
         offered = self._offered.get((kind, operation))
         if offered is None:  # the rules' preconditions ask it at every step; the binding fixes the answer
+            check_operation(kind, operation)
             offered = self._offered[kind, operation] = self.implementation.offers_operation(kind, operation)
         return offered
 

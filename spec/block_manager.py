@@ -79,7 +79,7 @@ import attrs
 
 from kvspec.spec import block_pool
 from kvspec.spec.block_pool import Pool, PoolState
-from kvspec.spec.components import component_kind, methods_of
+from kvspec.spec.components import component_kind
 from kvspec.spec.conventions import REFERENCE, ManagerConventions
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import Group, invariant, refinement
@@ -144,9 +144,8 @@ MANAGER_OPERATIONS = {
     "tiered_swap_in": ("truncate", "swap_in"),  # load a tail back from a tier of larger blocks (spec.tiered_swap)
     "rollback": ("rollback",),  # drop the last tokens: rejected speculative drafts (spec.speculative)
 }
-MANAGER_METHODS = methods_of(BlockManager, MANAGER_OPERATIONS)
 BLOCK_MANAGER = component_kind(
-    "block_manager", builds="block_manager(pool, block_size)", methods=MANAGER_METHODS, optional=MANAGER_OPERATIONS
+    "block_manager", BlockManager, builds="block_manager(pool, block_size)", optional=MANAGER_OPERATIONS
 )
 
 

@@ -150,21 +150,7 @@ class BatchBlockPool(BlockPool, Protocol):
 
 POOL_OPERATIONS = {"lookup_prefix": ("lookup_prefix",), "register_blocks": ("register_blocks",)}
 BLOCK_POOL = component_kind(
-    "block_pool",
-    builds="block_pool(capacity, policy)",
-    methods=(
-        "capacity",
-        "num_free",
-        "refcount",
-        "allocate",
-        "share",
-        "release",
-        "register",
-        "lookup",
-        "evict",
-        "snapshot",
-    ),
-    optional=POOL_OPERATIONS,
+    "block_pool", BatchBlockPool, builds="block_pool(capacity, policy)", optional=POOL_OPERATIONS
 )
 
 

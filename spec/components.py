@@ -3,10 +3,12 @@
 Rules:
 
 * Each layer declares the *kind* of component it drives, once, beside its
-  protocol: ``component_kind(name, builds=..., methods=..., optional=...)``.
-  ``methods`` are what every such component has; ``optional`` are operations
-  (or modes) an engine may leave out, each with the methods it needs.  A
-  layer of a third party declares its kind the same way, in its own module.
+  protocol: ``component_kind(name, Protocol, builds=..., optional=...)``.
+  The protocol says what every such component has (its methods and
+  properties, its bases' included); ``optional`` are operations (or modes) an
+  engine may leave out, each with the protocol's methods it needs, which no
+  component is then required to have.  A layer of a third party declares its
+  kind the same way, in its own module.
 * An implementation offers a component with an ``Offer``: the factory (a
   class, or a function that builds one), the optional operations it supports,
   and the operations its adapter *emulates* -- composes from several engine
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
 import attrs
 
@@ -45,6 +47,7 @@ class ComponentKind:
     """A layer's component: how it is built, what it always has, and what it may leave out."""
 
     name: str
+    protocol: type | None  # what every such component is (None: a bare function)
     builds: str  # the factory's call, for messages and the guide: "block_pool(capacity, policy)"
     methods: tuple[str, ...]
     optional: Mapping[str, tuple[str, ...]]  # optional operation -> the methods it needs (none: a mode)
@@ -55,26 +58,42 @@ KINDS: dict[str, ComponentKind] = {}
 
 
 def component_kind(
-    name: str, *, builds: str, methods: Iterable[str], optional: Mapping[str, Iterable[str]] | None = None
+    name: str, protocol: type | None, *, builds: str, optional: Mapping[str, Iterable[str]] | None = None
 ) -> ComponentKind:
-    """Declare (once) the component a layer drives; the layer is the calling module."""
+    """Declare (once) the component a layer drives, by its ``protocol`` (None: a bare function, a kernel);
+    the layer is the module that defines the protocol, else the calling module."""
     if name in KINDS:
         raise ValueError(f"component kind {name!r} is declared twice")
-    caller = inspect.stack()[1].frame.f_globals.get("__name__", "?")
+    operations = {operation: tuple(needs) for operation, needs in (optional or {}).items()}
+    members = methods_of(protocol) if protocol is not None else ()
+    only_optional = {method for needs in operations.values() for method in needs}
+    module = protocol.__module__ if protocol is not None else inspect.stack()[1].frame.f_globals.get("__name__", "?")
     KINDS[name] = ComponentKind(
         name=name,
+        protocol=protocol,
         builds=builds,
-        methods=tuple(methods),
-        optional={operation: tuple(needs) for operation, needs in (optional or {}).items()},
-        layer=caller.rsplit(".", 1)[-1],
+        methods=tuple(method for method in members if method not in only_optional),
+        optional=operations,
+        layer=module.rsplit(".", 1)[-1],
     )
     return KINDS[name]
 
 
-def methods_of(protocol: type, optional: Mapping[str, Iterable[str]] | None = None) -> tuple[str, ...]:
-    """A protocol's public methods and properties, in order, less those only its ``optional`` operations need."""
-    only_optional = {method for needs in (optional or {}).values() for method in needs}
-    return tuple(name for name in vars(protocol) if not name.startswith("_") and name not in only_optional)
+def methods_of(protocol: type) -> tuple[str, ...]:
+    """A protocol's public methods and properties, its bases' first, in the order they are written."""
+    protocols = [klass for klass in reversed(protocol.__mro__) if getattr(klass, "_is_protocol", False)]
+    names = (name for klass in protocols if klass is not Protocol for name in vars(klass) if not name.startswith("_"))
+    return tuple(dict.fromkeys(names))
+
+
+def check_operation(kind: str, operation: str) -> None:
+    """Refuse an optional operation ``kind`` does not declare: a misspelt name must never read "not offered"."""
+    declared = KINDS.get(kind)
+    if declared is None:
+        raise ValueError(f"no layer declares a component {kind!r}; known: {', '.join(sorted(KINDS))}")
+    if operation not in declared.optional:
+        known = ", ".join(sorted(declared.optional)) or "none"
+        raise ValueError(f"{kind} declares no optional operation {operation!r} (its optional ones: {known})")
 
 
 def every_operation(kind: str) -> frozenset[str]:

@@ -150,9 +150,7 @@ class ContiguousAllocator(Protocol):
 
 
 CONTIGUOUS_ALLOCATOR = component_kind(
-    "contiguous_allocator",
-    builds="contiguous_allocator(capacity, placement)",
-    methods=("capacity", "placement", "allocate", "append", "free", "ledger", "snapshot"),
+    "contiguous_allocator", ContiguousAllocator, builds="contiguous_allocator(capacity, placement)"
 )
 
 

@@ -118,9 +118,7 @@ class HierarchicalRadixCache(Protocol):
 
 
 HIERARCHICAL_RADIX_CACHE = component_kind(
-    "hierarchical_radix_cache",
-    builds="hierarchical_radix_cache(host_capacity)",
-    methods=tuple(name for name in vars(HierarchicalRadixCache) if not name.startswith("_")),
+    "hierarchical_radix_cache", HierarchicalRadixCache, builds="hierarchical_radix_cache(host_capacity)"
 )
 
 

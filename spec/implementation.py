@@ -55,7 +55,7 @@ from kvspec.spec import (  # noqa: F401  (each declares its component kind on im
 )
 from kvspec.spec.block_manager import BlockManager
 from kvspec.spec.block_pool import BlockPool, Policy
-from kvspec.spec.components import KINDS, DeclarationError, Offer, as_offer, check_offer
+from kvspec.spec.components import KINDS, DeclarationError, Offer, as_offer, check_offer, check_operation
 from kvspec.spec.contiguous import ContiguousAllocator, Placement
 from kvspec.spec.conventions import Conventions
 from kvspec.spec.invariants import REGISTRY, Invariant
@@ -134,12 +134,12 @@ class Implementation:
         return offer is not None and operation in offer.operations
 
     def rules_not_offered(self) -> frozenset[Invariant]:
-        """The rules no machine reaches against this implementation: it offers none of the operations each needs."""
-        return frozenset(
-            rule
-            for rule in REGISTRY.values()
-            if rule.needs and not any(self.offers_operation(*need.split(".", 1)) for need in rule.needs)
-        )
+        """The rules no machine reaches against this implementation: it offers none of the operations each needs
+        (each named ``kind.operation``, and refused if its kind declares no such operation)."""
+        needed = {rule: [need.split(".", 1) for need in rule.needs] for rule in REGISTRY.values() if rule.needs}
+        for kind, operation in (pair for pairs in needed.values() for pair in pairs):
+            check_operation(kind, operation)
+        return frozenset(rule for rule, pairs in needed.items() if not any(self.offers_operation(*p) for p in pairs))
 
     def complete_with(self, reference: Implementation) -> Implementation:
         """Fill every component this implementation leaves out from ``reference``."""

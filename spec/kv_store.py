@@ -241,18 +241,29 @@ class KVStore(Protocol):
     def snapshot(self) -> StoreState: ...
 
 
+@runtime_checkable
+class EngineChoicesStore(KVStore, Protocol):
+    """The operations of the engines' choices, each offered by name (``KV_STORE.optional``)."""
+
+    def complete(self, node: int, key: Key, ok: bool) -> None: ...  # pending_stores: a store lands (or fails)
+    def find(self, node: int, key: Key) -> str: ...  # pending_stores: "hit", "pending" or "miss"
+    def advance(self, seconds: float) -> None: ...  # leases: model time passes
+    def settle(self) -> tuple[tuple[int, Key], ...]: ...  # settle: background eviction done, its victims
+    def remove(self, node: int, key: Key) -> None: ...  # remove: drop a copy on request
+
+
 KV_STORE = component_kind(
     "kv_store",
+    KVStore,
     builds="kv_store(nodes, capacities, policies)",
-    methods=("put", "get", "demote", "evict", "pin", "unpin", "lookup", "snapshot"),
     optional={
         "replicate": ("replicate",),
         "node_faults": ("fail", "restart"),
-        "pending_stores": ("complete", "find"),  # stores.pending: complete(node, key, ok), find(node, key)
-        "leases": ("advance",),  # advance(seconds): model time, for read leases
-        "settle": ("settle",),  # settle() -> copies dropped: background work done, before comparing
-        "remove": ("remove",),  # remove(node, key): drop a copy on request
-        "replicated_puts": ("put_replicated",),  # put_replicated(node, key, tokens, factor): spec.kv_store_placement
+        "pending_stores": ("complete", "find"),  # stores="pending" (EngineChoicesStore)
+        "leases": ("advance",),
+        "settle": ("settle",),
+        "remove": ("remove",),
+        "replicated_puts": ("put_replicated",),  # spec.kv_store_placement.ReplicatingStore
     },
 )
 

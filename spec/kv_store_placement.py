@@ -47,9 +47,11 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant
+from kvspec.spec.kv_store import KVStore
 from kvspec.spec.kv_store_model import check_tokens, copy_in, live_node, put
 from kvspec.spec.kv_store_state import Key, Store, StoreState, Tokens
 
@@ -60,6 +62,15 @@ __all__ = [
     "put_replicated",
     "ring",
 ]
+
+
+@runtime_checkable
+class ReplicatingStore(KVStore, Protocol):
+    """A store that places a put's copies itself (``kv_store``'s optional ``replicated_puts``)."""
+
+    def put_replicated(self, node: int, key: Key, tokens: Sequence[int], factor: int) -> tuple[int, ...]:
+        """A put on ``node``, then fresh copies on the next live nodes in ring order: the nodes that hold one."""
+        ...
 
 
 def ring(alive: Sequence[bool], node: int) -> list[int]:

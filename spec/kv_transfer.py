@@ -64,7 +64,7 @@ Invariants (tier in brackets):
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -76,6 +76,7 @@ from kvspec.spec.scheduler import (
     Memory,
     Model,
     RequestId,
+    Scheduler,
     SchedulerState,
     StepReport,
     memory,
@@ -85,6 +86,15 @@ from kvspec.spec.scheduler import (
 
 Outcome = Literal["done", "failed", "empty"]
 OUTCOMES: tuple[Outcome, ...] = ("done", "failed", "empty")
+
+
+@runtime_checkable
+class TransferringScheduler(Scheduler, Protocol):
+    """A scheduler whose prompts may be loaded from elsewhere (``scheduler``'s optional ``kv_transfer``)."""
+
+    def finish_transfer(self, request_id: RequestId, outcome: Outcome) -> None:
+        """The worker's report that a request's load or send ended: ``done``, ``failed`` or ``empty``."""
+        ...
 
 
 @attrs.frozen

@@ -169,22 +169,28 @@ class PagedKVCache(SequenceCache, Protocol):
     def move_sequences(self, dst: Self, seqs: Sequence[SeqId]) -> tuple[tuple[int, int], ...]: ...
 
 
+class Model(Protocol):
+    """The yardstick model (``tiny_model(**sizes)``): seeded weights, a ragged batched forward over any cache."""
+
+    @property
+    def config(self) -> object: ...
+    def forward(self, cache: KVCache, batch: Sequence[tuple[SeqId, Sequence[int]]]) -> list[Array]:
+        """Logits ``[len(tokens), vocab]`` for each ``(seq, tokens)``, whose K and V are already in ``cache``."""
+        ...
+
+
 PAGED_KV_CACHE = component_kind(
     "paged_kv_cache",
+    PagedKVCache,
     builds="paged_kv_cache(manager, shape)",
-    methods=("length", "write", "read", "sequences", "add_sequence", "append", "free", "manager", "shape"),
     optional={"fork": ("fork",), "swap": ("move_sequences",)},
 )
-TINY_MODEL = component_kind("tiny_model", builds="tiny_model(**sizes)", methods=("config", "forward"))
-CONTIGUOUS_KV_CACHE = component_kind(
-    "contiguous_kv_cache",
-    builds="contiguous_kv_cache(shape)",
-    methods=("length", "write", "read", "sequences", "add_sequence", "append", "fork", "free"),
-)
-DECODE_ATTENTION = component_kind(
+TINY_MODEL = component_kind("tiny_model", Model, builds="tiny_model(**sizes)")
+CONTIGUOUS_KV_CACHE = component_kind("contiguous_kv_cache", SequenceCache, builds="contiguous_kv_cache(shape)")
+DECODE_ATTENTION = component_kind(  # a kernel: a function, no methods
     "decode_attention",
+    None,
     builds="decode_attention(queries, key_blocks, value_blocks, tables, lengths, chunk_blocks)",
-    methods=(),
 )
 
 

@@ -134,8 +134,8 @@ class PrefixCachingManager(block_manager.BlockManager, Protocol):
 
 PREFIX_CACHING_MANAGER = component_kind(
     "prefix_caching_manager",
+    PrefixCachingManager,
     builds='prefix_caching_manager(pool, block_size, commit="on_fill")',
-    methods=(*block_manager.MANAGER_METHODS, "block_hashes", "cached_prefix", "evict"),
     optional={
         **block_manager.MANAGER_OPERATIONS,
         "deferred_commit": ("commit",),  # commit="after_forward": filled blocks are cached once the forward ran

@@ -118,11 +118,7 @@ class RadixCache(Protocol):
     def snapshot(self) -> RadixState: ...
 
 
-RADIX_CACHE = component_kind(
-    "radix_cache",
-    builds="radix_cache()",
-    methods=tuple(name for name in vars(RadixCache) if not name.startswith("_")),
-)
+RADIX_CACHE = component_kind("radix_cache", RadixCache, builds="radix_cache()")
 
 
 # -- the model -------------------------------------------------------------------

@@ -136,9 +136,7 @@ class RadixPageManager(Protocol):
 
 
 RADIX_PAGE_MANAGER = component_kind(
-    "radix_page_manager",
-    builds="radix_page_manager(num_pages, page_size)",
-    methods=("admit", "decode", "release", "evict", "available_size", "evictable_size", "protected_size", "snapshot"),
+    "radix_page_manager", RadixPageManager, builds="radix_page_manager(num_pages, page_size)"
 )
 
 

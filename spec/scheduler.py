@@ -219,14 +219,14 @@ class Scheduler(Protocol):
 
 SCHEDULER = component_kind(
     "scheduler",
+    Scheduler,
     builds="scheduler(gpu_manager, cpu_manager, config)",
-    methods=("gpu", "cpu", "arrive", "step", "abort", "snapshot"),
     optional={
         "swap_preemption": (),  # config.preemption == "swap": a victim's blocks go to the CPU manager
         "priority": (),  # config.policy == "priority": admission and preemption by priority, with grants
         "not_ready": ("mark_ready",),  # requests may arrive not ready and wait for mark_ready
         "prefix_caching": (),  # the devices' managers are prefix-caching managers, probed at admission
-        "kv_transfer": ("finish_transfer",),  # prompts loaded from elsewhere, KV sent on finish (kv_transfer)
+        "kv_transfer": ("finish_transfer",),  # spec.kv_transfer.TransferringScheduler
     },
 )
 

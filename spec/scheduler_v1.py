@@ -150,8 +150,8 @@ class BudgetScheduler(Protocol):
 
 TOKEN_BUDGET_SCHEDULER = component_kind(
     "token_budget_scheduler",
+    BudgetScheduler,
     builds="token_budget_scheduler(manager, config)",
-    methods=("arrive", "step", "abort", "snapshot"),
     optional={"priority": ()},  # config.policy == "priority": victims and the waiting queue by rank
 )
 

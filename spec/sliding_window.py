@@ -122,9 +122,7 @@ class WindowManager(Protocol):
 
 
 SLIDING_WINDOW_MANAGER = component_kind(
-    "sliding_window_manager",
-    builds="sliding_window_manager(pool, block_size, window)",
-    methods=("add_sequence", "append", "free", "block_table", "snapshot"),
+    "sliding_window_manager", WindowManager, builds="sliding_window_manager(pool, block_size, window)"
 )
 
 

@@ -32,6 +32,13 @@ PUBLISHED: tuple[str, ...] = (  # one component per section where an adapter bri
 )
 
 
+# Each safety finding published against an engine, and the script in docs/findings/ that shows its damage with the
+# engine's own calls alone (the published page links it; a safety finding without one is not published as true).
+REPRODUCED: dict[tuple[str, str], str] = {
+    ("kvspec.adapters.lmcache:factory", "invariant_demotion_keeps_the_block"): "lmcache_disk_accounting.py",
+}
+
+
 def importable(module: str) -> bool:
     """Whether ``module`` (an engine) can be found, without importing it."""
     import importlib.util

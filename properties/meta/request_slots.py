@@ -45,7 +45,7 @@ class SlotPool(Protocol):
     def snapshot(self) -> SlotState: ...
 
 
-SLOT_POOL = component_kind("slot_pool", builds="slot_pool(size)", methods=("acquire", "release", "snapshot"))
+SLOT_POOL = component_kind("slot_pool", SlotPool, builds="slot_pool(size)")
 
 
 def new_slots(size: int) -> SlotState:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvspec.adapters import PUBLISHED, sglang
+import attrs
+
+from kvspec.adapters import PUBLISHED, REPRODUCED, sglang
 from kvspec.verdict import NOT_OFFERED, RuleVerdict, Verdict, Violation, registry_digest
 
 
@@ -74,3 +76,20 @@ def test_every_adapter_the_readme_lists_is_published_on_the_page() -> None:
     assert listed == set(PUBLISHED), f"README lists {sorted(listed ^ set(PUBLISHED))} otherwise than PUBLISHED"
     judged = re.findall(r"^`([\w.]+:\w+)`, profile `", PAGE.read_text(), flags=re.M)
     assert judged == list(PUBLISHED), f"docs/engines.md has sections {judged}; kvspec engines writes {PUBLISHED}"
+
+
+def test_a_safety_finding_links_the_script_that_shows_it_with_the_engine_alone() -> None:
+    (path, rule), script = next(iter(REPRODUCED.items()))
+    finding = attrs.evolve(unlock_finding(), invariant=rule, tier="safety", operation="", variant="", leads_to="")
+    shown = Verdict("LMCache", path, "ci", sglang.conventions(), (), (finding,), ()).markdown()
+    assert f"reproduced with the engine alone: [`docs/findings/{script}`](findings/{script})" in shown
+    unproven = Verdict("X", "some.adapter:factory", "ci", sglang.conventions(), (), (finding,), ()).markdown()
+    assert "not reproduced without kvspec" in unproven and "reproduced with the engine alone" not in unproven
+
+
+def test_every_safety_finding_on_the_page_is_reproduced_with_the_engine_alone() -> None:
+    findings = re.split(r"^- \*\*\[", PAGE.read_text(), flags=re.M)[1:]
+    for finding in (f for f in findings if f.startswith("safety]")):
+        linked = re.search(r"reproduced with the engine alone: \[`docs/findings/([\w.]+)`\]", finding)
+        assert linked, f"a safety finding on the page is not reproduced without kvspec: {finding[:300]}"
+        assert (PAGE.parent / "findings" / linked.group(1)).exists(), linked.group(1)
