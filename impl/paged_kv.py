@@ -83,6 +83,9 @@ class PagedKVCache:
     def fork(self, parent: SeqId, child: SeqId) -> None:
         self._manager.fork(parent, child)
         self._lengths[child] = self._lengths[parent]
+        # a manager that copies a block at the fork (a partial last block, say) hands the child a fresh block:
+        # its K and V are the parent's
+        self._copy_blocks([(p, c) for p, c in zip(self._table(parent), self._table(child), strict=False) if p != c])
 
     def free(self, seq: SeqId) -> None:
         self._manager.free(seq)

@@ -259,7 +259,8 @@ class Scheduler:
             else ()
         )
         revived = sum(1 for block in hits if self._gpu.pool.refcount(block) == 0)
-        need = prefill_demand(request, group.generated, size, len(hits), revived, samples=len(group.seqs))
+        copies = self._config.fork_partial_block == "copy"
+        need = prefill_demand(request, group.generated, size, len(hits), revived, len(group.seqs), copies)
         return Probe(need, len(hits) * size)
 
     def _restored(self, group: Entry) -> tuple[tuple[RequestId, int], ...]:

@@ -66,7 +66,8 @@ class PagedAttentionMachine(LockstepMachine):
         policy = self.conventions.pool.policies[0]
         manager = implementation.block_manager(implementation.block_pool(capacity, policy), block_size)
         cache = implementation.paged_kv_cache(manager, self.network.config.kv_shape)
-        spec_manager = model.new_manager(block_pool.new_pool(capacity, policy, self.conventions.pool), block_size)
+        pool = block_pool.new_pool(capacity, policy, self.conventions.pool)
+        spec_manager = model.new_manager(pool, block_size, self.conventions.manager)
         self.paged = self.subject("paged", model, spec_manager, cache, snapshot=lambda: manager.snapshot())
         self.twin = implementation.contiguous_kv_cache(self.network.config.kv_shape)
         self.held: set[int] = set()  # the caller's ledger: the sequences the paged cache holds for it

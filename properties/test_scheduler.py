@@ -154,7 +154,8 @@ class SchedulerMachineBase(LockstepMachine):
         load_failure: LoadFailure = "recompute",
     ) -> None:
         preemption = preemption or self.preemption
-        self.config = SchedulerConfig(preemption, watermark, self.policy, load_failure)
+        fork = self.conventions.manager.fork_partial_block  # the managers it builds fork as declared
+        self.config = SchedulerConfig(preemption, watermark, self.policy, load_failure, fork)
         self.record(f"scheduler(gpu_blocks={gpu_blocks}, cpu_blocks={cpu_blocks}, B={block_size}, {self.config})")
         scheduler = self.implementation.scheduler(
             self.device(gpu_blocks, block_size), self.device(cpu_blocks, block_size), self.config

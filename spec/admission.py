@@ -121,7 +121,8 @@ def resume_demand(model: Model, group: Group) -> int:
     hits = prefix_hits(model.gpu, group.request.prompt)
     revived = sum(1 for b in hits if tables_of(model.gpu).pool.refcounts[b] == 0)
     block_size = tables_of(model.gpu).block_size
-    return prefill_demand(group.request, group.generated, block_size, len(hits), revived, samples=len(group.live))
+    copies = model.config.fork_partial_block == "copy"
+    return prefill_demand(group.request, group.generated, block_size, len(hits), revived, len(group.live), copies)
 
 
 def prefix_hits(gpu: Memory, prompt: tuple[int, ...]) -> tuple[int, ...]:
@@ -132,17 +133,23 @@ def prefix_hits(gpu: Memory, prompt: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def prefill_demand(
-    request: Request, generated: int, block_size: int, hits: int, revived: int, samples: int | None = None
+    request: Request,
+    generated: int,
+    block_size: int,
+    hits: int,
+    revived: int,
+    samples: int | None = None,
+    copies_at_fork: bool = False,
 ) -> int:
     """Blocks a prefill admission of ``samples`` samples (all ``n`` unless some finished) takes: its blocks less
-    its ``hits``, plus the ``revived`` hits.
+    its ``hits``, plus the ``revived`` hits; under a fork that copies the partial block, each further sample's copy.
 
     A hit is counted once: it lowers the demand.  A hit whose block sits in the
     free queue is also counted there as free, and admission takes it out: so it
     is demand again, or the supply would count it a second time.
     """
     samples = request.n if samples is None else samples
-    return group_blocks(len(request.prompt), generated, samples, block_size) - hits + revived
+    return group_blocks(len(request.prompt), generated, samples, block_size, copies_at_fork) - hits + revived
 
 
 def admissible(need: int, free: int, watermark: int, gpu_idle: bool) -> bool:
@@ -238,7 +245,8 @@ def upper_demand(state: SchedulerState, group: Group) -> int:
     if device == "cpu":
         return len({b for seq in group.seqs for b in state.cpu.tables.get(seq, ())})
     request = group.request
-    return group_blocks(len(request.prompt), group.generated, len(group.live), state.gpu.block_size)
+    copies = state.config.fork_partial_block == "copy"
+    return group_blocks(len(request.prompt), group.generated, len(group.live), state.gpu.block_size, copies)
 
 
 @invariant(

@@ -28,7 +28,10 @@ Rules (vLLM §4.5 and §5.2, lecture §6):
   one token per sample (``sampled_token``, a deterministic stand-in for the
   model's output), preempting the lowest-ranked running group while a grant
   does not fit; then the *admission phase* resumes or prefills the groups
-  not running, in rank order, while they fit.
+  not running, in rank order, while they fit.  A prefill forks the prompt into
+  the group's samples: under managers that copy a partial last block at the
+  fork (``SchedulerConfig.fork_partial_block="copy"``, HF's) those copies are
+  part of what the admission takes.
 * ``mark_ready(request_id)`` -- the remote KV arrived, the grammar compiled,
   an adapter slot opened: a request that arrived not ready may be admitted.
 * ``abort(request_id)`` drops an unfinished request and frees its blocks.
@@ -136,6 +139,9 @@ class SchedulerConfig:
     watermark: int = 0  # GPU blocks kept free after an admission, unless the GPU is idle
     policy: QueuePolicy = "fcfs"
     load_failure: LoadFailure = "recompute"  # a failed load: compute the prompt here, or abort the request
+    # the managers' fork, as their conventions declare it: "copy" copies a partial last block at the fork itself,
+    # so a prefill of n samples takes its n-1 further copies at admission, not at their first decode
+    fork_partial_block: Literal["share", "copy"] = "share"
 
 
 @attrs.frozen
@@ -236,9 +242,10 @@ def sampled_token(request_id: RequestId, sample: int, position: int) -> int:
     return (request_id * 1_000_003 + sample * 7_919 + position * 104_729) % VOCABULARY
 
 
-def group_blocks(prompt_len: int, generated: int, n: int, block_size: int) -> int:
-    """Blocks a group holds: whole prompt blocks shared by its samples, the rest private once written."""
-    if generated == 0:
+def group_blocks(prompt_len: int, generated: int, n: int, block_size: int, copies_at_fork: bool = False) -> int:
+    """Blocks a group holds: whole prompt blocks shared by its samples, the rest private once written -- or,
+    ``copies_at_fork``, once forked."""
+    if generated == 0 and not copies_at_fork:
         return blocks_for(prompt_len, block_size)
     shared = prompt_len // block_size
     return shared + n * (blocks_for(prompt_len + generated, block_size) - shared)
@@ -283,7 +290,7 @@ def check_request(request: object, known: Collection[RequestId]) -> Request:
 def check_config(config: SchedulerConfig) -> None:
     if config.preemption not in ("swap", "recompute") or config.policy not in ("fcfs", "priority"):
         raise InvalidOperation(f"unusable scheduler config {config!r}")
-    if config.load_failure not in ("recompute", "abort"):
+    if config.load_failure not in ("recompute", "abort") or config.fork_partial_block not in ("share", "copy"):
         raise InvalidOperation(f"unusable scheduler config {config!r}")
     if not isinstance(config.watermark, int) or config.watermark < 0:
         raise InvalidOperation(f"unusable scheduler config {config!r}")

@@ -170,3 +170,14 @@ def test_the_test_has_teeth() -> None:
     assert false_safety(reversed_release, ModelLedgerMachine)
     flagged = [f.where for f in safety_checks_reading_the_model(__name__)]
     assert f"{__name__}:ModelLedgerMachine.pool_matches_spec" in flagged
+
+
+COPYING_FORK = "kvspec.properties.test_block_manager:copying_fork_reference"  # HF's fork, the reference's way
+
+
+@pytest.mark.parametrize("title", counting(load_implementation(COPYING_FORK)))
+def test_a_manager_copying_the_partial_block_at_fork_makes_no_safety_finding_above_it(title: str) -> None:
+    """The reference's scheduler and paged KV cache over a manager that copies at the fork, as over HF's: admission
+    counts the copies, the cache copies their K and V."""
+    found = false_safety(load_implementation(COPYING_FORK), suite.machine_titled(title))
+    assert not found, f"{COPYING_FORK} in {title}:\n{shown(found)}"
