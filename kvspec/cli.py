@@ -173,7 +173,7 @@ def engines(argv: Sequence[str]) -> int:
             sections.append(verdict.markdown())
     except (AdapterError, UsageError) as error:
         return fail("kvspec engines", error, args.traceback)
-    document = ENGINES_HEADER + "\n".join(sections)
+    document = engines_page(sections)
     if args.out == "-":
         print(document)
         return 0
@@ -188,16 +188,24 @@ def engines(argv: Sequence[str]) -> int:
 ENGINES_HEADER = """# Engines under kvspec
 
 Written by `kvspec engines` (every adapter of `kvspec.adapters.PUBLISHED`); do
-not edit by hand.  Each
-section is one implementation's verdict (`kvspec check --markdown`): its
-declaration (components, optional operations, what the adapter emulates) and
-conventions, then per tier every invariant -- violated, held (with its
-checks), not reached, not offered or not run -- and every distinct finding
-with its shrunk operation sequence; a caller-contract finding comes with what
-accepting that kind of call leads to, measured by sending it alone and
-checking safety from there on.
+not edit by hand.  Each section is one implementation's verdict (`kvspec
+check --markdown`): its status, the rule registry it was judged under, its
+conventions and what it brought; then every finding, each with its shrunk
+operation sequence and its `kvspec replay` token -- a caller-contract finding
+with what accepting that kind of call leads to, measured by sending it alone
+and checking safety from there on; a safety finding with the script that shows
+it with the engine alone -- then per tier every rule reached, with its checks,
+and those not offered in one line.
 
 """
+
+
+def engines_page(sections: Sequence[str]) -> str:
+    """``docs/engines.md``: the header, the adapters withheld and why, then each section."""
+    from kvspec.adapters import WITHHELD
+
+    withheld = "".join(f"* Withheld: `{path}` -- {why}.\n" for path, why in WITHHELD.items())
+    return ENGINES_HEADER + (withheld + "\n" if withheld else "") + "\n".join(sections)
 
 
 def run_module(module_name: str, argv: Sequence[str]) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import pickle
 import signal
 import sys
@@ -122,8 +123,8 @@ def judge_each(
     executor = ProcessPoolExecutor(
         plan.workers,
         mp_context=multiprocessing.get_context("spawn"),
-        initializer=signal.signal,  # Ctrl-C is the parent's to answer
-        initargs=(signal.SIGINT, signal.SIG_IGN),
+        initializer=start_worker,
+        initargs=(os.getpid(),),
     )
     say(f"judging {len(plan.machines)} machines in {plan.workers} worker processes")
     try:
@@ -143,6 +144,19 @@ def judge_each(
         executor.shutdown(wait=False, cancel_futures=True)
         for worker in set(multiprocessing.active_children()) - ours:  # a machine may run for minutes yet
             worker.terminate()
+
+
+def start_worker(parent: int) -> None:
+    """A worker leaves Ctrl-C to the parent, and dies with it: a verdict killed (not interrupted) leaves no worker
+    judging on (Linux: the parent's death signals it; elsewhere the pool's own shutdown is all there is)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1  # noqa: N806 -- the constant's name in <sys/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the signal was asked for
+            os._exit(1)
 
 
 @attrs.frozen

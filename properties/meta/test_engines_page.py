@@ -10,7 +10,7 @@ from pathlib import Path
 
 import attrs
 
-from kvspec.adapters import PUBLISHED, REPRODUCED, sglang
+from kvspec.adapters import PUBLISHED, REPRODUCED, WITHHELD, sglang
 from kvspec.verdict import NOT_OFFERED, RuleVerdict, Verdict, Violation, registry_digest
 
 
@@ -73,9 +73,12 @@ def test_every_adapter_the_readme_lists_is_published_on_the_page() -> None:
         f"{module}:{factory}" for module, first, others in rows for factory in [first, *re.findall(r"`:(\w+)`", others)]
     }
     assert len(rows) >= 10, "README's table of adapters was not found"
-    assert listed == set(PUBLISHED), f"README lists {sorted(listed ^ set(PUBLISHED))} otherwise than PUBLISHED"
-    judged = re.findall(r"^`([\w.]+:\w+)`, profile `", PAGE.read_text(), flags=re.M)
+    checked = set(PUBLISHED) | set(WITHHELD)
+    assert listed == checked, f"README lists {sorted(listed ^ checked)} otherwise than PUBLISHED and WITHHELD"
+    page = PAGE.read_text()
+    judged = re.findall(r"^`([\w.]+:\w+)`, profile `", page, flags=re.M)
     assert judged == list(PUBLISHED), f"docs/engines.md has sections {judged}; kvspec engines writes {PUBLISHED}"
+    assert all(f"* Withheld: `{path}` -- {why}." in page for path, why in WITHHELD.items())
 
 
 def test_a_safety_finding_links_the_script_that_shows_it_with_the_engine_alone() -> None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
 import sys
+import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +58,39 @@ def ends_its_worker() -> Implementation:
 def test_a_worker_the_implementation_kills_is_the_adapters_error_not_a_hang() -> None:
     with pytest.raises(AdapterError, match="a worker process died while judging machine"):
         conformance.run_conformance(f"{__name__}:ends_its_worker", layers=LAYERS, jobs=2)
+
+
+def children_of(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone while listed
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent's death reaches its workers through Linux's prctl")
+def test_a_killed_verdict_leaves_no_worker_judging_on(tmp_path: Path) -> None:
+    """SIGTERM, not Ctrl-C: the workers die with the parent instead of judging on, orphaned, for minutes."""
+    check = subprocess.Popen(
+        [sys.executable, "-m", "kvspec", "check", "--jobs", "2"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers := children_of(check.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(workers) >= 2, "the check never started its workers"
+    finally:
+        check.terminate()
+        check.wait(10)
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "workers outlived their killed parent"
