@@ -6,9 +6,10 @@ Rules:
   protocol: ``component_kind(name, Protocol, builds=..., optional=...)``.
   The protocol says what every such component has (its methods and
   properties, its bases' included); ``optional`` are operations (or modes) an
-  engine may leave out, each with the protocol's methods it needs, which no
-  component is then required to have.  A layer of a third party declares its
-  kind the same way, in its own module.
+  engine may leave out, each with the methods it needs -- written in a
+  protocol of the chapter that introduces it -- which no component is then
+  required to have.  A layer of a third party declares its kind the same way,
+  in its own module.
 * An implementation offers a component with an ``Offer``: the factory (a
   class, or a function that builds one), the optional operations it supports,
   and the operations its adapter *emulates* -- composes from several engine
