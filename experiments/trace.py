@@ -32,7 +32,8 @@ import attrs
 
 from kvspec.impl.block_pool import BlockPool
 from kvspec.report import emit_json, progress, pyplot, table
-from kvspec.spec.block_pool import POLICIES, BatchBlockPool, Policy
+from kvspec.spec.batch_pool import LOOKUP_PREFIX, REGISTER_BLOCKS, BatchBlockPool
+from kvspec.spec.block_pool import POLICIES, Policy
 from kvspec.spec.block_pool import BlockPool as PoolProtocol
 from kvspec.spec.components import Offer, every_operation
 
@@ -42,7 +43,7 @@ BLOCK_TOKENS = 512
 WORKERS = 2
 CAPACITIES: tuple[int | None, ...] = (1_000, 5_000, 10_000, 20_000, 30_000, 50_000, 100_000, None)  # None: unbounded
 REFERENCE_POOL: Offer[[int, Policy], PoolProtocol] = Offer(BlockPool, every_operation("block_pool"))
-BATCH_OPERATIONS = ("lookup_prefix", "register_blocks")
+BATCH_OPERATIONS = (LOOKUP_PREFIX, REGISTER_BLOCKS)
 # FAST'25 (Mooncake) Table 2: requests, mean input, mean output of each trace (see experiments/data/README.md).
 TABLE_2 = {"conversation": (12_031, 12_035, 343), "synthetic": (3_993, 15_325, 149)}
 

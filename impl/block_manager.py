@@ -5,7 +5,7 @@ leaves the manager as it was.  Slots live in a per-block list of token ids;
 a KV store mirrors them through the ``WritePlan`` each write returns.
 
 Speed: a serving step appends a token or a few to every running sequence, so a
-write checks a plain list of ints in C (``_checked``), asks once whether the last
+write checks a plain list of ints in C (``checked_tokens``), asks once whether the last
 block must be copied (for the room it needs and for the write), and fills a
 block's slots a block at a time, not a token at a time: the pool is asked for a
 reference count once an append, and otherwise sees the same calls in the same order.
@@ -27,7 +27,7 @@ from kvspec.spec.tiered_swap import TierLoad, require_continuation, tier_content
 _INT = {int}
 
 
-def _checked(tokens: Sequence[int], allow_empty: bool) -> tuple[int, ...]:
+def checked_tokens(tokens: Sequence[int], allow_empty: bool) -> tuple[int, ...]:
     """``check_tokens``, with the common case -- a non-empty list or tuple of plain non-negative ints -- checked in C;
     anything else gets the exact check and its error."""
     kind = type(tokens)
@@ -70,14 +70,14 @@ class BlockManager:
         return tuple(self._contents[table[i // size]][i % size] for i in range(len(self._tokens[seq])))
 
     def add_sequence(self, seq: SeqId, prompt: Sequence[int]) -> WritePlan:
-        prompt = _checked(prompt, allow_empty=False)
+        prompt = checked_tokens(prompt, allow_empty=False)
         self._require_new(seq)
         self._ensure_room(blocks_for(len(prompt), self._block_size))
         self._tables[seq], self._tokens[seq] = [], []
         return self._write(seq, prompt)
 
     def append(self, seq: SeqId, tokens: Sequence[int]) -> WritePlan:
-        tokens = _checked(tokens, allow_empty=True)
+        tokens = checked_tokens(tokens, allow_empty=True)
         self._table(seq)
         copies_last_block = bool(tokens) and bool(self._needs_copy(seq))
         self._ensure_room(self._blocks_needed(seq, len(tokens)) + copies_last_block)

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvspec.impl.block_manager import BlockManager
+from kvspec.impl.block_manager import BlockManager, checked_tokens
 from kvspec.impl.hashing import ROOT, BlockHash, hash_block
-from kvspec.spec.block_manager import SeqId, WritePlan, blocks_for, check_tokens
+from kvspec.spec.block_manager import SeqId, WritePlan, blocks_for
 from kvspec.spec.block_pool import BlockPool as BlockPoolProtocol
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.prefix_cache import COMMITS, Commit, ExtraKey, check_extra_key, max_hit_blocks
@@ -39,19 +39,27 @@ class PrefixCachingBlockManager(BlockManager):
         self._extra_keys: dict[SeqId, ExtraKey] = {}
         self._chains: dict[SeqId, list[BlockHash]] = {}
         self._pending: dict[SeqId, list[tuple[int, BlockHash]]] = {}
+        # the last prompt hashed: admission hashes its prompt for the chain and again for the hits (``_hits``, a
+        # hook), and a scheduler probes ``cached_prefix`` before it admits the same prompt
+        self._last_hashed: tuple[tuple[int, ...], ExtraKey, tuple[BlockHash, ...]] = ((), None, ())
+        self._admitted: tuple[SeqId, tuple[BlockHash, ...]] | None = None  # the sequence whose prompt is written
 
     def block_hashes(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[BlockHash, ...]:
-        tokens, extra_key = check_tokens(tokens, allow_empty=True), check_extra_key(extra_key)
-        size, parent, hashes = self._block_size, ROOT, []
+        tokens, extra_key = checked_tokens(tokens, allow_empty=True), check_extra_key(extra_key)
+        last_tokens, last_key, last_hashes = self._last_hashed
+        if tokens == last_tokens and extra_key == last_key:
+            return last_hashes
+        size, parent, hashes, hash_ = self._block_size, ROOT, [], self._hash
         for start in range(0, len(tokens) - size + 1, size):
-            parent = self._hash(parent, tokens[start : start + size], extra_key)
+            parent = hash_(parent, tokens[start : start + size], extra_key)
             hashes.append(parent)
-        return tuple(hashes)
+        self._last_hashed = (tokens, extra_key, tuple(hashes))
+        return self._last_hashed[2]
 
     def cached_prefix(self, tokens: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
-        hits = []
+        hits, lookup = [], self._pool.lookup
         for block_hash in self.block_hashes(tokens, extra_key):
-            block = self._pool.lookup(block_hash)
+            block = lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
@@ -61,11 +69,12 @@ class PrefixCachingBlockManager(BlockManager):
         return self._pool.evict(n)
 
     def add_sequence(self, seq: SeqId, prompt: Sequence[int], extra_key: ExtraKey = None) -> WritePlan:
-        prompt, extra_key = check_tokens(prompt, allow_empty=False), check_extra_key(extra_key)
+        prompt, extra_key = checked_tokens(prompt, allow_empty=False), check_extra_key(extra_key)
         self._require_new(seq)
         hashes = self.block_hashes(prompt, extra_key)
         hits = self._hits(prompt, extra_key)
-        revived = sum(1 for block in hits if self._pool.refcount(block) == 0)
+        refcount = self._pool.refcount
+        revived = sum(1 for block in hits if refcount(block) == 0)
         needed, room = blocks_for(len(prompt), self._block_size) - len(hits), self._pool.num_free() - revived
         if needed > room:
             raise OutOfBlocks(needed, room)
@@ -73,7 +82,11 @@ class PrefixCachingBlockManager(BlockManager):
         cached = len(hits) * self._block_size
         self._tables[seq], self._tokens[seq] = list(hits), list(prompt[:cached])
         self._extra_keys[seq], self._chains[seq] = extra_key, list(hashes[: len(hits)])
-        plan = self._write(seq, prompt[cached:])
+        self._admitted = (seq, hashes)
+        try:
+            plan = self._write(seq, prompt[cached:])
+        finally:
+            self._admitted = None
         return attrs.evolve(plan, cached_tokens=self._cached_tokens(prompt, extra_key, hits))
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
@@ -132,9 +145,13 @@ class PrefixCachingBlockManager(BlockManager):
         return self._pool.snapshot().block_hashes[last] is not None
 
     def _block_filled(self, seq: SeqId, index: int) -> None:
-        chain, size = self._chains[seq], self._block_size
-        parent = chain[index - 1] if index else ROOT
-        block_hash = self._hash(parent, self._tokens[seq][index * size : (index + 1) * size], self._extra_keys[seq])
+        chain, size, admitted = self._chains[seq], self._block_size, self._admitted
+        if admitted is not None and admitted[0] == seq and index < len(admitted[1]):
+            block_hash = admitted[1][index]  # a block of the prompt being admitted: hashed already
+        else:
+            parent = chain[index - 1] if index else ROOT
+            tokens = self._tokens[seq][index * size : (index + 1) * size]
+            block_hash = self._hash(parent, tokens, self._extra_keys[seq])
         chain.append(block_hash)
         if self._commit_on_fill:
             self._pool.register(self._tables[seq][index], block_hash)

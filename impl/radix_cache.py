@@ -11,12 +11,16 @@ locks held at or below a node (SGLang's ``inc_lock_ref`` walks to the root).
 Eviction pops unlocked leaves from a heap ordered by last use and trims only
 as many tokens from the last one as are still needed.
 
-Speed: keys and values are tuples, compared a node at a time by C-level slice
+Speed: a node's key and values are views -- a run of the key and values
+tuples it was inserted from -- so inserting, splitting, trimming and freeing a
+node copy no token and touch no token's int (a node left holding under a
+quarter of its tuples copies its run, so the tree keeps alive at most four
+times what it caches).  Keys are compared a node at a time by C-level slice
 comparison (a binary search finds where a key leaves a node).  A key or values
 list is checked in C (a long one through ``array("Q")``); a ``Tokens`` is
 checked once, when it is made, as SGLang makes a request's ``RadixKey`` once,
 and hashes once (a lock looks its key up).  Eviction answers its values with
-pointer copies alone.  The eviction heap lives as long as the tree: a node is
+one reversed slice of each leaf's.  The eviction heap lives as long as the tree: a node is
 pushed whenever it may have become the least recently used unlocked leaf
 (created, touched, unlocked, or left childless), and an entry is checked when
 it reaches the top -- a stale one (the node since touched, locked, extended or
@@ -101,27 +105,44 @@ def _shared(key: Key, depth: int, node_key: Key) -> int:
     return low
 
 
-def _deepest_first(parts: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """``parts`` each reversed, one after another: the whole reversed, built by pointer copies alone (a
-    reversed slice of each part, or a chain of them, costs a few times more a token)."""
-    if len(parts) == 1:  # an eviction that took one leaf, or a part of one: its reversed slice is one copy
-        return parts[0][::-1]
-    flat: list[int] = []
-    for part in reversed(parts):
-        flat += part
-    flat.reverse()
-    return tuple(flat)
-
-
 class Node:
-    __slots__ = ("key", "values", "children", "parent", "lock_ref", "last_use")
+    """A run of the tree: its key is ``tokens[start:end]`` and its values ``stored[start:end]``."""
 
-    def __init__(self, key: Key, values: tuple[int, ...], parent: Node | None, last_use: int) -> None:
-        self.key, self.values = key, values
+    __slots__ = ("tokens", "stored", "start", "end", "children", "parent", "lock_ref", "last_use")
+
+    def __init__(
+        self, tokens: Key, stored: tuple[int, ...], start: int, end: int, parent: Node | None, last_use: int
+    ) -> None:
+        self.tokens, self.stored, self.start, self.end = tokens, stored, start, end
+        self._compact()
         self.children: dict[Hashable, Node] = {}
         self.parent = parent
         self.lock_ref = 0
         self.last_use = last_use
+
+    @property
+    def key(self) -> Key:
+        return self.tokens[self.start : self.end]
+
+    @key.setter
+    def key(self, key: Key) -> None:
+        """A key assigned is the whole run (assign its values alike)."""
+        self.tokens, self.start, self.end = key, 0, len(key)
+
+    @property
+    def values(self) -> tuple[int, ...]:
+        return self.stored[self.start : self.end]
+
+    @values.setter
+    def values(self, values: tuple[int, ...]) -> None:
+        self.stored, self.start, self.end = values, 0, len(values)
+
+    def _compact(self) -> None:
+        """Copy the run out of its tuples when it holds under a quarter of them, which it would keep alive."""
+        start, end = self.start, self.end
+        if 4 * (end - start) < len(self.tokens):
+            self.tokens, self.stored = self.tokens[start:end], self.stored[start:end]
+            self.start, self.end = 0, end - start
 
 
 class RadixCache:
@@ -129,7 +150,7 @@ class RadixCache:
 
     def __init__(self, page_size: int = 1) -> None:
         self._page_size = page_size
-        self._root = Node((), (), None, 0)
+        self._root = Node((), (), 0, 0, None, 0)
         self._clock = itertools.count(1)
         self._locks: Counter[Key] = Counter()
         self._total = 0
@@ -141,6 +162,8 @@ class RadixCache:
     def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
         path = self._walk(self._named(_tokens(key), extra_key))
         self._touch(path)
+        if len(path) == 1:
+            return path[0].values
         return tuple(itertools.chain.from_iterable([node.values for node in path]))
 
     def insert(self, key: Sequence[int], values: Sequence[int], extra_key: ExtraKey = None) -> int:
@@ -152,9 +175,9 @@ class RadixCache:
         present = self._depth_of(path)
         if present < len(named):
             parent = path[-1] if path else self._root
-            leaf = Node(named[present:], stored[present : len(named)], parent, 0)  # no partial last page
+            leaf = Node(named, stored, present, len(named), parent, 0)  # no partial last page
             parent.children[named[present]] = leaf
-            self._total += len(leaf.key)
+            self._total += len(named) - present
             self._nodes_count += 1
             path.append(leaf)
         self._touch(path)
@@ -167,7 +190,7 @@ class RadixCache:
             raise InvalidOperation(f"cannot lock {tuple(key)}: it is not cached")
         for node in path:
             if node.lock_ref == 0:
-                self._protected += len(node.key)
+                self._protected += node.end - node.start
             node.lock_ref += 1
         self._locks[named] += 1  # a lookup and a store: a long key hashes in O(length), a Tokens once
 
@@ -180,7 +203,7 @@ class RadixCache:
         for node in path:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._protected -= len(node.key)
+                self._protected -= node.end - node.start
         self._push_if_evictable(path[-1])
         if held == 1:
             self._locks.pop(named)
@@ -190,29 +213,38 @@ class RadixCache:
     def evict(self, num_tokens: int) -> tuple[int, ...]:
         if type(num_tokens) is not int or num_tokens < 0:
             raise InvalidOperation(f"cannot evict {num_tokens!r} tokens")
-        heap, evicted, count = self._heap, list[tuple[int, ...]](), 0  # the values each leaf gave up, in order
+        heap, count = self._heap, 0
+        answer: tuple[int, ...] = ()  # the values given up, deepest first: the first leaf's, then
+        joined: list[int] | None = None  # those of every leaf, joined as each is taken (its values at hand)
         while count < num_tokens and heap:
             last_use, _, node = heap[0]
             if node.parent is None or node.children or node.lock_ref or node.last_use != last_use:
                 heapq.heappop(heap)  # stale: removed, extended, locked or touched since it was pushed
                 continue
-            wanted = num_tokens - count
-            take = min(wanted + -wanted % self._page_size, len(node.key))  # whole pages
-            evicted.append(node.values[-take:])
+            wanted, start, end = num_tokens - count, node.start, node.end
+            take = min(wanted + -wanted % self._page_size, end - start)  # whole pages
+            taken = node.stored[end - 1 : end - take - 1 if end - take else None : -1]
+            if count:
+                if joined is None:
+                    joined = list(answer)
+                joined += taken
+            else:
+                answer = taken
             count += take
             self._total -= take
-            if take < len(node.key):
-                node.key, node.values = node.key[:-take], node.values[:-take]
+            if end - take > start:
+                node.end = end - take
+                node._compact()
                 break
             heapq.heappop(heap)
             parent = node.parent
             assert parent is not None  # checked above: only attached nodes are evicted
-            del parent.children[node.key[0]]
+            del parent.children[node.tokens[start]]
             node.parent = None
             self._nodes_count -= 1
             if parent is not self._root:
                 self._push_if_evictable(parent)
-        return _deepest_first(evicted)
+        return answer if joined is None else tuple(joined)
 
     def total_size(self) -> int:
         return self._total
@@ -255,29 +287,32 @@ class RadixCache:
             child = node.children.get(key[depth])
             if child is None:
                 break
-            width = len(child.key)
-            if key[depth : depth + width] == child.key:
-                shared = width
+            start, end = child.start, child.end
+            width = end - start
+            if (child.tokens is key and start == depth) or key[depth : depth + width] == child.tokens[start:end]:
+                shared = width  # a node inserted from this very key, at this depth, matches unread
             else:
-                shared = _shared(key, depth, child.key)
+                shared = _shared(key, depth, child.tokens[start:end])
                 child = self._split(child, shared)
             path.append(child)
             node, depth = child, depth + shared
         return path
 
     def _depth_of(self, path: list[Node]) -> int:
-        return sum([len(node.key) for node in path])
+        return sum([node.end - node.start for node in path])
 
     def _split(self, node: Node, at: int) -> Node:
         """Cut ``node`` after ``at`` tokens; the new upper part takes its place under the parent."""
         parent = node.parent
         assert parent is not None  # the root is never split
-        upper = Node(node.key[:at], node.values[:at], parent, node.last_use)
+        start, tokens = node.start, node.tokens
+        upper = Node(tokens, node.stored, start, start + at, parent, node.last_use)
         upper.lock_ref = node.lock_ref
         self._nodes_count += 1
-        upper.children[node.key[at]] = node
-        parent.children[node.key[0]] = upper
-        node.key, node.values, node.parent = node.key[at:], node.values[at:], upper
+        upper.children[tokens[start + at]] = node
+        parent.children[tokens[start]] = upper
+        node.start, node.parent = start + at, upper
+        node._compact()
         return upper
 
     def _touch(self, path: Sequence[Node]) -> None:

@@ -17,7 +17,7 @@ from typing import cast
 
 import attrs
 
-from kvspec.spec.admission import BUSY, admissible, prefill_demand
+from kvspec.spec.admission import BUSY, admissible, check_fits_alone, check_request, prefill_demand
 from kvspec.spec.block_manager import BlockManager
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.kv_transfer import OUTCOMES, Outcome, Transfer
@@ -33,8 +33,6 @@ from kvspec.spec.scheduler import (
     SchedulerState,
     StepReport,
     check_config,
-    check_fits_alone,
-    check_request,
     rank,
     sampled_token,
 )

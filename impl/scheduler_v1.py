@@ -14,10 +14,10 @@ from collections import deque
 
 import attrs
 
-from kvspec.spec.admission import prefill_demand
+from kvspec.spec.admission import check_request, prefill_demand
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.prefix_cache import PrefixCachingManager, max_hit_blocks
-from kvspec.spec.scheduler import Request, RequestId, check_request, sampled_token
+from kvspec.spec.scheduler import Request, RequestId, sampled_token
 from kvspec.spec.scheduler_v1 import (
     BudgetConfig,
     BudgetReport,

@@ -14,7 +14,7 @@ from kvspec.spec.block_manager import blocks_for, check_block_size
 from kvspec.spec.block_pool import BlockPool
 from kvspec.spec.conventions import WindowConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
-from kvspec.spec.sliding_window import SeqId, Table, WindowState, in_window, ring_blocks
+from kvspec.spec.sliding_window import SeqId, Table, WindowState, ring_blocks, window_start
 
 
 class SlidingWindowManager:
@@ -40,7 +40,7 @@ class SlidingWindowManager:
 
     def append(self, seq: SeqId, n: int) -> None:
         self._table(seq)
-        self._grow(seq, self._check_count(n, 0))
+        self._grow(seq, n if type(n) is int and n >= 0 else self._check_count(n, 0))
 
     def free(self, seq: SeqId) -> None:
         self._pool.release([b for b in self._table(seq)[::-1] if b is not None])
@@ -55,24 +55,34 @@ class SlidingWindowManager:
 
     def _grow(self, seq: SeqId, added: int) -> None:
         """Drop what the window of the new length leaves, then allocate the new logical blocks in it."""
-        table, size = self._tables[seq], self._block_size
-        length = self._lengths[seq] + added
+        table, length = self._tables[seq], self._lengths[seq] + added
         dropped = self._slid_out(table, length)
-        fresh = [i for i in range(len(table), blocks_for(length, size)) if self._in_window(i, length)]
-        if len(fresh) > self._pool.num_free() + len(dropped):
-            raise OutOfBlocks(len(fresh), self._pool.num_free() + len(dropped))
-        self._drop(table, dropped)
-        blocks = self._pool.allocate(len(fresh))
-        table += [None] * (blocks_for(length, size) - len(table) - len(fresh))
-        table += blocks
+        end = blocks_for(length, self._block_size)
+        fresh = max(0, end - max(len(table), self._first_in_window(length)))  # the new logical blocks in the window
+        if fresh and fresh > self._pool.num_free() + len(dropped):
+            raise OutOfBlocks(fresh, self._pool.num_free() + len(dropped))
+        if dropped:
+            self._drop(table, dropped)
+        if end > len(table):  # most appends add a token to the last block: no pool call
+            blocks = self._pool.allocate(fresh)
+            table += [None] * (end - len(table) - fresh)
+            table += blocks
         self._lengths[seq] = length
 
-    def _in_window(self, index: int, length: int) -> bool:
-        return in_window(index, length, self._block_size, self._window, self.conventions.window_of)
+    def _first_in_window(self, length: int) -> int:
+        """The first logical block ``spec.in_window`` keeps at ``length`` tokens: it holds from there on, as
+        ``(i + 1) * block_size > window_start`` does."""
+        return max(0, window_start(length, self._window, self.conventions.window_of) // self._block_size)
 
     def _slid_out(self, table: list[int | None], length: int) -> list[int]:
-        """The entries of ``table`` that name a block outside the window of ``length`` tokens."""
-        return [i for i, b in enumerate(table) if b is not None and not self._in_window(i, length)]
+        """The entries of ``table`` that name a block outside the window of ``length`` tokens.  The window only
+        moves forward and a table's blocks follow its dropped entries, so these are the blocks just before the
+        window's first one, found from there back: O(blocks slid out) a token, not O(table)."""
+        end = min(len(table), self._first_in_window(length))
+        start = end
+        while start and table[start - 1] is not None:
+            start -= 1
+        return list(range(start, end))
 
     def _drop(self, table: list[int | None], dropped: list[int]) -> None:
         """Release the blocks that slid out of the window, last first, and clear their entries."""

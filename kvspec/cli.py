@@ -48,13 +48,13 @@ def check(argv: Sequence[str]) -> int:
     from kvspec.conformance import UsageError, report_progress, run_conformance
     from kvspec.properties import profiles
     from kvspec.properties.loading import REFERENCE, AdapterError, select
-    from kvspec.report import Parser, emit_json
+    from kvspec.report import emit_json
 
-    parser = Parser(
-        prog="kvspec check",
-        description="Conformance verdict for an implementation.",
-        epilog="exit status: 0 conforms, 1 violations found, 2 usage or adapter error, 3 nothing checked, "
-        "130 interrupted before any finding",
+    parser = command_parser(
+        "check",
+        "Conformance verdict for an implementation.",
+        "0 conforms, 1 violations found, 2 usage or adapter error, 3 nothing checked, 130 interrupted before any "
+        "finding",
     )
     parser.add_argument("--impl", default=None, metavar="MODULE:FACTORY", help=f"default: $KVSPEC_IMPL or {REFERENCE}")
     parser.add_argument("--profile", default="ci", choices=profiles.PROFILES)
@@ -63,7 +63,7 @@ def check(argv: Sequence[str]) -> int:
     output.add_argument("--markdown", action="store_true", help="print the verdict as a section of docs/engines.md")
     parser.add_argument("--machine", default=None, help="run only the machines whose title contains this text")
     add_jobs(parser)
-    parser.add_argument("--traceback", action="store_true", help="on an adapter error, print the whole traceback")
+    add_traceback(parser)
     args = parser.parse_args(argv)
     try:
         if args.machine is not None and not args.machine.strip():
@@ -74,7 +74,7 @@ def check(argv: Sequence[str]) -> int:
         layers = None if args.machine is None else [args.machine]
         verdict = run_conformance(path, layers=layers, profile=args.profile, progress=report_progress, jobs=args.jobs)
     except (AdapterError, UsageError) as error:
-        return fail("kvspec check", error, args.traceback)
+        return fail(parser.prog, error, args.traceback)
     if args.json:
         emit_json(verdict.to_json())
     elif args.markdown:
@@ -85,6 +85,18 @@ def check(argv: Sequence[str]) -> int:
 
 
 ERROR_KINDS = {"AdapterError": "adapter error", "InputError": "bad input"}  # else a UsageError: "usage"
+
+
+def command_parser(command: str, description: str, exit_statuses: str) -> argparse.ArgumentParser:
+    """The parser of ``kvspec command``, its errors one line, its epilog the exit statuses it answers."""
+    from kvspec.report import Parser
+
+    return Parser(prog=f"kvspec {command}", description=description, epilog=f"exit status: {exit_statuses}")
+
+
+def add_traceback(parser: argparse.ArgumentParser) -> None:
+    """``--traceback``: a command that loads an adapter prints an adapter error's whole traceback on request."""
+    parser.add_argument("--traceback", action="store_true", help="on an adapter error, print the whole traceback")
 
 
 def add_jobs(parser: argparse.ArgumentParser) -> None:
@@ -113,21 +125,20 @@ def replay(argv: Sequence[str]) -> int:
     from kvspec.conformance import UsageError
     from kvspec.conformance import replay as replay_token
     from kvspec.properties.loading import AdapterError
-    from kvspec.report import Parser
 
-    parser = Parser(
-        prog="kvspec replay",
-        description="Run once more the example a verdict printed for a finding (its 'replay:' line).",
-        epilog="exit status: 1 the finding is reproduced, 0 the example no longer fails, 2 usage or adapter error "
-        "(a damaged token, one printed under another Hypothesis), 130 interrupted",
+    parser = command_parser(
+        "replay",
+        "Run once more the example a verdict printed for a finding (its 'replay:' line).",
+        "1 the finding is reproduced, 0 the example no longer fails, 2 usage or adapter error (a damaged token, one "
+        "printed under another Hypothesis), 130 interrupted",
     )
     parser.add_argument("token", help="what follows 'kvspec replay' on the finding's 'replay:' line")
-    parser.add_argument("--traceback", action="store_true", help="on an adapter error, print the whole traceback")
+    add_traceback(parser)
     args = parser.parse_args(argv)
     try:
         path, finding = replay_token(args.token)
     except (AdapterError, UsageError) as error:
-        return fail("kvspec replay", error, args.traceback)
+        return fail(parser.prog, error, args.traceback)
     if finding is None:
         print(f"kvspec replay: {path}: the example no longer fails")
         return 0
@@ -143,18 +154,17 @@ def engines(argv: Sequence[str]) -> int:
     from kvspec.inputs import check_output_file
     from kvspec.properties import profiles
     from kvspec.properties.loading import AdapterError, select
-    from kvspec.report import Parser
 
-    parser = Parser(
-        prog="kvspec engines",
-        description="Write docs/engines.md: the verdict of each implementation named (default: every published adapter).",
-        epilog="exit status: 0 written, 2 usage or adapter error (nothing written), 130 interrupted (nothing written)",
+    parser = command_parser(
+        "engines",
+        "Write docs/engines.md: the verdict of each implementation named (default: every published adapter).",
+        "0 written, 2 usage or adapter error (nothing written), 130 interrupted (nothing written)",
     )
     parser.add_argument("impls", nargs="*", metavar="MODULE:FACTORY", help="default: every published adapter")
     parser.add_argument("--profile", default="ci", choices=profiles.PROFILES)
     parser.add_argument("--out", default="docs/engines.md", help="where to write (- for standard output)")
     add_jobs(parser)
-    parser.add_argument("--traceback", action="store_true", help="on an adapter error, print the whole traceback")
+    add_traceback(parser)
     args = parser.parse_args(argv)
     args.impls = args.impls or list(PUBLISHED)
     sections = []
@@ -172,7 +182,7 @@ def engines(argv: Sequence[str]) -> int:
                 return 130
             sections.append(verdict.markdown())
     except (AdapterError, UsageError) as error:
-        return fail("kvspec engines", error, args.traceback)
+        return fail(parser.prog, error, args.traceback)
     document = engines_page(sections)
     if args.out == "-":
         print(document)

@@ -307,7 +307,7 @@ def declaration_lines(implementation: Implementation) -> tuple[str, ...]:
     for kind, offer in sorted(implementation.offers().items()):
         if kind in implementation.borrowed:
             continue
-        operations = ", ".join(sorted(offer.operations)) or "none"
+        operations = ", ".join(sorted(map(str, offer.operations))) or "none"
         emulated = f"; the adapter emulates {', '.join(sorted(offer.emulated))}" if offer.emulated else ""
         name = getattr(offer.factory, "__qualname__", type(offer.factory).__name__)
         lines.append(f"{kind}: {name}, optional operations offered: {operations}{emulated}")

@@ -80,7 +80,7 @@ from kvspec.properties.findings import (
 )
 from kvspec.properties.subjects import Answer, Specs, Subject, compared, refusal_views, split_result
 from kvspec.properties.transcript import AnsweredDifferently, Transcript
-from kvspec.spec.components import check_operation
+from kvspec.spec.components import Operation, check_operation
 from kvspec.spec.errors import InvalidOperation, KVSpecError, verdict
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import (
@@ -130,7 +130,7 @@ class LockstepMachine(RuleBasedStateMachine):
 
     implementation: ClassVar[Implementation]
     uses: ClassVar[frozenset[str]] = frozenset()  # the component kinds it builds
-    requires: ClassVar[Mapping[str, frozenset[str]]] = {}  # kind -> the optional operations it cannot run without
+    requires: ClassVar[Mapping[str, frozenset[Operation]]] = {}  # kind -> the optional operations it cannot run without
     judges: ClassVar[tuple[str, ...]] = ()  # the spec layers whose rules it checks, its own first
     _only: ClassVar[frozenset[Invariant] | None] = None
     _known: ClassVar[frozenset[Invariant]] = frozenset()
@@ -141,7 +141,7 @@ class LockstepMachine(RuleBasedStateMachine):
     _answers: ClassVar[dict[int, str]] = {}  # the answer given after each history of calls (``Transcript``)
     _unoffered: ClassVar[frozenset[Invariant]] = frozenset()  # rules whose every needed operation is left out
     # What a bound machine asks at every step and whose answer its binding fixes, answered once per binding:
-    _offered: ClassVar[dict[tuple[str, str], bool]] = {}  # (kind, operation) -> offered (``offers``)
+    _offered: ClassVar[dict[tuple[str, Operation], bool]] = {}  # (kind, operation) -> offered (``offers``)
     _counted: ClassVar[dict[int, tuple[Invariant, bool]]] = {}  # id of a rule -> the rule, and whether it counts
 
     def __init__(self) -> None:
@@ -209,7 +209,7 @@ class LockstepMachine(RuleBasedStateMachine):
         missing = [
             f"{kind}.{operation}"
             for kind, operations in cls.requires.items()
-            for operation in sorted(operations)
+            for operation in sorted(operations, key=str)
             if not implementation.offers_operation(kind, operation)
         ]
         return f"not offered: needs {', '.join(missing)}" if missing else ""
@@ -218,7 +218,7 @@ class LockstepMachine(RuleBasedStateMachine):
     def conventions(self) -> Any:
         return self.implementation.conventions
 
-    def offers(self, kind: str, operation: str) -> bool:
+    def offers(self, kind: str, operation: Operation) -> bool:
         """Whether the implementation under test offers ``kind``'s optional ``operation``."""
         offered = self._offered.get((kind, operation))
         if offered is None:  # the rules' preconditions ask it at every step; the binding fixes the answer

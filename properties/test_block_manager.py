@@ -32,7 +32,7 @@ from kvspec.properties.harness import LockstepMachine
 from kvspec.properties.running import conformance_test
 from kvspec.properties.subjects import Answer, Subject
 from kvspec.spec import block_manager as model
-from kvspec.spec import block_pool, speculative
+from kvspec.spec import block_pool, speculative, swap
 from kvspec.spec.block_manager import ManagerState, SeqId, WritePlan
 from kvspec.spec.components import Offer, every_operation
 from kvspec.spec.conventions import Conventions, ManagerConventions
@@ -146,7 +146,7 @@ class BlockManagerMachine(LockstepMachine):
         self.devices = {
             device: self.subject(
                 device,
-                (model, speculative),
+                (model, speculative, swap),
                 model.new_manager(
                     block_pool.new_pool(blocks, policy, self.conventions.pool), block_size, self.conventions.manager
                 ),
@@ -276,13 +276,13 @@ class BlockManagerMachine(LockstepMachine):
 
     def maybe_speculate(self, seq: int, data: st.DataObject) -> bool:
         """Two times in three where rollback is offered, a speculative decode step of ``seq``; whether it was one."""
-        offered = self.offers("block_manager", "rollback")
+        offered = self.offers("block_manager", speculative.ROLLBACK)
         speculate = offered and data.draw(st.sampled_from([True, True, False]), label="speculative")
         if speculate:
             self.decode_speculatively(seq, data)
         return speculate
 
-    @precondition(lambda self: self.offers("block_manager", "fork"))
+    @precondition(lambda self: self.offers("block_manager", model.FORK))
     @rule(target=seqs, parent=seqs, data=st.data())
     def fork(self, parent: int, data: st.DataObject):
         revisited = self.revisit(data, self.device_of(parent).name)
@@ -291,7 +291,7 @@ class BlockManagerMachine(LockstepMachine):
             self.maybe_speculate(forked[0], data)
         return multiple(*revisited, *([] if forked is None else [forked[0]]))
 
-    @precondition(lambda self: self.offers("block_manager", "fork"))
+    @precondition(lambda self: self.offers("block_manager", model.FORK))
     @rule(target=seqs, prompt=st.one_of(PROMPTS, LONG_PROMPTS), n=st.integers(2, 4), data=st.data())
     def parallel_sampling(self, prompt: list[int], n: int, data: st.DataObject):
         """Lecture exercise 4: a prompt, n - 1 forks of it, then each of the n samples writes a token.  Its copies
@@ -325,7 +325,7 @@ class BlockManagerMachine(LockstepMachine):
     def read(self, seq: int) -> None:
         self.device_of(seq)("read", seq)
 
-    @precondition(lambda self: self.offers("block_manager", "swap"))
+    @precondition(lambda self: self.offers("block_manager", swap.SWAP))
     @rule(group=st.lists(seqs, unique=True, min_size=1, max_size=3))
     def move_group(self, group: list[int]) -> None:
         source = self.device_of(group[0])
@@ -333,7 +333,7 @@ class BlockManagerMachine(LockstepMachine):
         if self.call(source, "move_sequences", target, group) is not None:
             event(f"moved a group of {len(group)} to the {target.name}")
 
-    @precondition(lambda self: self.offers("block_manager", "rollback"))
+    @precondition(lambda self: self.offers("block_manager", speculative.ROLLBACK))
     @rule(seq=seqs, data=st.data())
     def speculate(self, seq: int, data: st.DataObject) -> None:
         """A speculative decode step of ``seq``, or as often of a running sequence with room for a draft (an
@@ -380,13 +380,14 @@ class BlockManagerMachine(LockstepMachine):
         self.write(device, "add_sequence", self.fresh_id(), malformed)
         if malformed:
             self.write(device, "append", seq, malformed)
-        if self.offers("block_manager", "rollback") and seq in device.model.tokens:
+        if self.offers("block_manager", speculative.ROLLBACK) and seq in device.model.tokens:
             self.call(device, "rollback", seq, len(device.model.tokens[seq]) + 1)
             self.call(device, "rollback", seq, count)
 
     @rule(seq=freed, operation=OPERATIONS, device=DEVICES)
     def use_after_free(self, seq: int, operation: str, device: str) -> None:
-        if operation in ("fork", "rollback") and not self.offers("block_manager", operation):
+        optional = {"fork": model.FORK, "rollback": speculative.ROLLBACK}
+        if operation in optional and not self.offers("block_manager", optional[operation]):
             operation = "read"
         arguments = {"append": (seq, [1]), "fork": (seq, -1), "free": (seq,), "read": (seq,), "rollback": (seq, 0)}
         self.call(self.devices[device], operation, *arguments[operation], note="freed")

@@ -26,6 +26,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvspec.properties.harness import LockstepMachine
 from kvspec.properties.running import conformance_test
+from kvspec.spec import batch_pool
 from kvspec.spec import block_pool as model
 
 HASHES = st.sampled_from([f"h{i}" for i in range(6)])
@@ -44,7 +45,7 @@ class BlockPoolMachine(LockstepMachine):
         spec = model.new_pool(capacity, policy, self.conventions.pool)
         refinement = (model.invariant_pool_refines_spec, model.abstract)
         self.pool = self.subject(
-            "pool", model, spec, self.implementation.block_pool(capacity, policy), refinement=refinement
+            "pool", (model, batch_pool), spec, self.implementation.block_pool(capacity, policy), refinement=refinement
         )
         self.held: Counter[int] = Counter()
         # What the caller wrote into each block: the hash it registered there, None for a request's own tokens
@@ -221,7 +222,7 @@ class BlockPoolMachine(LockstepMachine):
             named[block_hash] = (*named.get(block_hash, ()), block)
         self.check(model.invariant_no_stale_hit, named, self.written)
 
-    @precondition(lambda self: self.offers("block_pool", "register_blocks"))
+    @precondition(lambda self: self.offers("block_pool", batch_pool.REGISTER_BLOCKS))
     @rule(data=st.data())
     def register_blocks(self, data: st.DataObject) -> None:
         """Cache several full blocks at once (vLLM's cache_full_blocks); now and then a block or a length that
@@ -236,7 +237,10 @@ class BlockPoolMachine(LockstepMachine):
         self._register(blocks, hashes[: len(blocks) + data.draw(st.integers(0, 1), label="extra")])
 
     @precondition(
-        lambda self: self.offers("block_pool", "lookup_prefix") and self.offers("block_pool", "register_blocks")
+        lambda self: (
+            self.offers("block_pool", batch_pool.LOOKUP_PREFIX)
+            and self.offers("block_pool", batch_pool.REGISTER_BLOCKS)
+        )
     )
     @rule(block_hashes=st.lists(HASHES, min_size=1, max_size=5))
     def serve_request(self, block_hashes: list[str]) -> None:

@@ -47,6 +47,7 @@ from kvspec.properties.harness import LockstepMachine
 from kvspec.properties.running import conformance_settings, conformance_test, run_machine
 from kvspec.spec import invariants
 from kvspec.spec import kv_store as model
+from kvspec.spec import kv_store_model as transitions
 from kvspec.spec import kv_store_placement as placement
 from kvspec.spec.components import Offer, every_operation
 from kvspec.spec.conventions import Conventions, StoreConventions
@@ -87,7 +88,7 @@ class KVStoreMachine(LockstepMachine):
         )
         self.record(f"store = kv_store(nodes={nodes}, capacities={capacities}, policies={policies})")
         store = self.implementation.component("kv_store")(nodes, capacities, policies)
-        spec = (model, placement)
+        spec = (model, transitions, placement)
         expected = model.new_store(nodes, capacities, policies, declared)
         self.store = self.subject("store", spec, expected, store, refusal_view=model.kept_by_a_refusal)
         self.written: dict[Key, Tokens] = {}
@@ -95,13 +96,13 @@ class KVStoreMachine(LockstepMachine):
         self.refused: tuple[Callable[..., Any], tuple[Any, ...]] | None = None  # the put, get or replication
         self.served: set[Tokens] = set()
         self.evicted: set[tuple[Place, Tokens]] = set()  # copies that left their node, and what they held
-        self.background = declared.eviction == "background" and self.offers("kv_store", "settle")
+        self.background = declared.eviction == "background" and self.offers("kv_store", model.SETTLE)
         self.arrivals: dict[Place, int] = {}  # copies in their node's last tier -> when they arrived there
         self.arrival_clock = itertools.count()
         # Most runs start with a hot block on two nodes: replicas are rare otherwise, and stale ones hide there.
         if (
             nodes > 1
-            and self.offers("kv_store", "replicate")
+            and self.offers("kv_store", model.REPLICATE)
             and data.draw(st.integers(0, 7), label="start with a replicated block (unless 0)")
         ):
             key, tokens = data.draw(KEYS, label="key"), data.draw(CONTENTS, label="tokens")
@@ -167,7 +168,7 @@ class KVStoreMachine(LockstepMachine):
         try:
             self.store.transition(operation)(self.store.model, *args)
         except OutOfBlocks:
-            adapted = model.refused_put(self.store.model, args[0], args[1])
+            adapted = transitions.refused_put(self.store.model, args[0], args[1])
             if adapted.ghosts != self.store.model.ghosts:
                 event("a refused put adapted an ARC tier to its ghost")
             self.store.model = adapted
@@ -213,7 +214,7 @@ class KVStoreMachine(LockstepMachine):
             return
         engine_picks = self.conventions.store.victims == "engine"
         if engine_picks:
-            self.store.model = model.evicted_by_engine(self.store.model, answer.actual)
+            self.store.model = transitions.evicted_by_engine(self.store.model, answer.actual)
         after = self.store.snapshot()
         self._refines(after)
         if not engine_picks:
@@ -295,7 +296,7 @@ class KVStoreMachine(LockstepMachine):
             if took_the_put(before, after, key):
                 self.written[key] = tokens
 
-        replicated = len(model.lookup(self.store.model, key)) > 1
+        replicated = len(transitions.lookup(self.store.model, key)) > 1
         ok, _ = self._op("put", node, key, tokens, judge=written)
         self.refused = self.refused if ok else (self._put, (node, key, tokens))
         if ok and replicated and self.conventions.store.reput == "refresh":
@@ -356,7 +357,9 @@ class KVStoreMachine(LockstepMachine):
             self._get(node, key)
 
     def replicated(self) -> list[Place]:
-        return [(n, k) for n, k in self.held() if isinstance(k, str) and len(model.lookup(self.store.model, k)) > 1]
+        return [
+            (n, k) for n, k in self.held() if isinstance(k, str) and len(transitions.lookup(self.store.model, k)) > 1
+        ]
 
     @precondition(lambda self: self.replicated())
     @rule(data=st.data(), tokens=CONTENTS)
@@ -365,7 +368,7 @@ class KVStoreMachine(LockstepMachine):
         self._put(*data.draw(st.sampled_from(self.replicated()), label="copy"), tokens)
 
     def replicable_puts(self) -> bool:
-        return self.offers("kv_store", "replicated_puts") and sum(self.store.model.alive) > 1
+        return self.offers("kv_store", placement.REPLICATED_PUTS) and sum(self.store.model.alive) > 1
 
     @precondition(replicable_puts)
     @rule(data=st.data(), key=KEYS, tokens=CONTENTS)
@@ -388,12 +391,12 @@ class KVStoreMachine(LockstepMachine):
         factors = factors if factors is not None else st.sampled_from([*range(2, live + 1)] * 3 + [1, 0, live + 1])
         factor = data.draw(factors, label="replicas")
         holders = self._put_replicated(node, key, tokens, factor)
-        if factor < 2 or not holders or not faults or not self.offers("kv_store", "node_faults"):
+        if factor < 2 or not holders or not faults or not self.offers("kv_store", model.NODE_FAULTS):
             return
         if data.draw(st.booleans(), label="fail factor - 1 of the holders"):
             for fault in data.draw(st.permutations(holders), label="holders, first to fail")[: factor - 1]:
                 self._fail(fault)
-            survivors = [n for n, _ in model.lookup(self.store.model, key)]
+            survivors = [n for n, _ in transitions.lookup(self.store.model, key)]
             if survivors and self._complete_if_pending(survivors[0], key):
                 self._get(survivors[0], key)
                 event("a replicated block was read after factor - 1 of its holders failed")
@@ -487,13 +490,13 @@ class KVStoreMachine(LockstepMachine):
     def evict(self, node: int, tier: int) -> None:
         self._op("evict", node, tier)
 
-    @precondition(lambda self: self.offers("kv_store", "replicate"))
+    @precondition(lambda self: self.offers("kv_store", model.REPLICATE))
     @rule(data=st.data(), key=KEYS)
     def replicate(self, data: st.DataObject, key: Key) -> None:
         """Mostly a block some node holds (hot-spot replication), else any key."""
         held = sorted({k for _, k in self.store.model.copies if isinstance(k, str)})
         key = data.draw(st.sampled_from([*held, key]), label="key")
-        holders = [node for node, _ in model.lookup(self.store.model, key)]
+        holders = [node for node, _ in transitions.lookup(self.store.model, key)]
         source = data.draw(st.sampled_from(holders), label="source") if holders else self.node(data)
         targets = [n for n, up in enumerate(self.store.model.alive) if up and n not in holders]
         target = data.draw(st.sampled_from(targets), label="target") if targets else self.node(data)
@@ -505,7 +508,7 @@ class KVStoreMachine(LockstepMachine):
         copies = self.store.model.copies
         return [(k, n, t) for n, k in self.held() if copies[(n, k)].ready for t in live if (t, k) not in copies]
 
-    @precondition(lambda self: self.offers("kv_store", "replicate") and self.replicable())
+    @precondition(lambda self: self.offers("kv_store", model.REPLICATE) and self.replicable())
     @rule(data=st.data(), tokens=CONTENTS, rewrite=st.booleans())
     def replicate_held(self, data: st.DataObject, tokens: Tokens, rewrite: bool) -> None:
         """Hot-spot replication of a held block, then often a re-put on one replica: replicas are rare
@@ -534,7 +537,7 @@ class KVStoreMachine(LockstepMachine):
         if self._op("unpin", node, copy_key)[0]:
             self.retry_refused()
 
-    @precondition(lambda self: self.offers("kv_store", "pending_stores") and self.store.model.copies)
+    @precondition(lambda self: self.offers("kv_store", model.PENDING_STORES) and self.store.model.copies)
     @rule(data=st.data(), ok=st.booleans())
     def complete(self, data: st.DataObject, ok: bool) -> None:
         """A pending store's transfer arrives (ok) or fails; sometimes a late completion of one that is not
@@ -550,7 +553,7 @@ class KVStoreMachine(LockstepMachine):
         if self._op("complete", node, key, ok, judge=failed_leaves_miss)[0]:
             self.retry_refused()
 
-    @precondition(lambda self: self.offers("kv_store", "pending_stores"))
+    @precondition(lambda self: self.offers("kv_store", model.PENDING_STORES))
     @rule(data=st.data(), key=KEYS)
     def find(self, data: st.DataObject, key: Key) -> None:
         """Whether a node can serve a key: hit, pending or miss."""
@@ -559,7 +562,7 @@ class KVStoreMachine(LockstepMachine):
         if ok:
             event(f"find answered {answer}")
 
-    @precondition(lambda self: self.offers("kv_store", "leases"))
+    @precondition(lambda self: self.offers("kv_store", model.LEASES))
     @rule(fraction=st.sampled_from([0.0, 0.5, 1.0, 2.0, -1.0]))
     def advance(self, fraction: float) -> None:
         """Model time moves on, by a share of a read lease (past one, into one, or -- invalid -- back)."""
@@ -569,7 +572,7 @@ class KVStoreMachine(LockstepMachine):
             event("a read lease ran out")
             self.retry_refused()
 
-    @precondition(lambda self: self.offers("kv_store", "remove") and self.store.model.copies)
+    @precondition(lambda self: self.offers("kv_store", model.REMOVE) and self.store.model.copies)
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:
         """Drop a copy on request; one in use (pinned, leased, pending) is out of contract: the caller must
@@ -580,7 +583,7 @@ class KVStoreMachine(LockstepMachine):
         if self._op("remove", node, key)[0]:
             self.retry_refused()
 
-    @precondition(lambda self: self.offers("kv_store", "settle"))
+    @precondition(lambda self: self.offers("kv_store", model.SETTLE))
     @rule()
     def settle(self) -> None:
         """Background work done now, whatever the store's eviction: nothing changes unless it runs some."""
@@ -591,7 +594,7 @@ class KVStoreMachine(LockstepMachine):
 
     def survivable(self) -> bool:
         """Whether a node fault would leave a live node: a store of one node only ever stops."""
-        return self.offers("kv_store", "node_faults") and sum(self.store.model.alive) > 1
+        return self.offers("kv_store", model.NODE_FAULTS) and sum(self.store.model.alive) > 1
 
     @precondition(survivable)
     @rule(data=st.data())
@@ -616,13 +619,13 @@ class KVStoreMachine(LockstepMachine):
             return
         for key in sorted(lost, key=repr):
             self._lookup(key)
-        only_there = {key for key in lost if not model.lookup(self.store.model, key)}
+        only_there = {key for key in lost if not transitions.lookup(self.store.model, key)}
         self.lost_in_fault |= only_there
         event("node fault")
         if only_there:
             event("node fault lost the last copy of a block")
 
-    @precondition(lambda self: self.offers("kv_store", "node_faults"))
+    @precondition(lambda self: self.offers("kv_store", model.NODE_FAULTS))
     @rule(data=st.data())
     def restart(self, data: st.DataObject) -> None:
         """Mostly a failed node (so that faults do not leave no one to replicate to), else any."""
@@ -672,12 +675,12 @@ class KVStoreMachine(LockstepMachine):
 
     def _serve_block(self, node: int, key: Key, tokens: Tokens) -> Tokens | None:
         """A local hit, a pulled replica, or the block recomputed from the request's own tokens and put."""
-        holders = [n for n, _ in model.lookup(self.store.model, key) if n != node]
+        holders = [n for n, _ in transitions.lookup(self.store.model, key) if n != node]
         ready = [n for n in holders if self.store.model.copies[(n, key)].ready]
         mine = self.store.model.copies.get((node, key))
         if mine is not None and mine.ready:
             return self._get(node, key)
-        if ready and self.offers("kv_store", "replicate") and self._replicate(key, ready[0], node):
+        if ready and self.offers("kv_store", model.REPLICATE) and self._replicate(key, ready[0], node):
             return self._get(node, key)
         if mine is None and not self._put(node, key, tokens):
             return None

@@ -55,7 +55,7 @@ class PagedAttentionMachine(LockstepMachine):
     judges = ("paged_attention", "block_manager", "block_pool", "invariants")
 
     def forks(self) -> bool:
-        return self.offers("paged_kv_cache", "fork") and self.offers("block_manager", "fork")
+        return self.offers("paged_kv_cache", spec.FORK) and self.offers("block_manager", model.FORK)
 
     @initialize(block_size=BLOCK_SIZES, slack=st.integers(-1, 2))
     def start(self, block_size: int, slack: int) -> None:

@@ -40,8 +40,9 @@ from hypothesis.stateful import initialize, precondition, rule
 from kvspec.properties.harness import LockstepMachine
 from kvspec.properties.running import conformance_test
 from kvspec.properties.subjects import Subject
-from kvspec.spec import block_manager, block_pool, paged_attention
+from kvspec.spec import block_manager, block_pool, paged_attention, swap
 from kvspec.spec import prefix_cache as model
+from kvspec.spec.components import Operation
 from kvspec.spec.paged_attention import PagedKVCache
 
 SIZES = {"vocab": 16, "d_model": 8, "heads": 2, "kv_heads": 1, "layers": 2, "mlp": 16, "seed": 7}
@@ -70,8 +71,11 @@ class PagedLifecycleMachine(LockstepMachine):
     uses = frozenset({"tiny_model", "block_pool", "prefix_caching_manager", "paged_kv_cache", "contiguous_kv_cache"})
     judges = ("paged_attention", "prefix_cache", "block_manager", "block_pool", "invariants")
 
-    def offers_both(self, operation: str) -> bool:
-        return self.offers("paged_kv_cache", operation) and self.offers("prefix_caching_manager", operation)
+    def offers_both(self, cache_operation: Operation, manager_operation: Operation) -> bool:
+        """Whether the paged cache and its manager both offer an operation (each kind declares its own)."""
+        return self.offers("paged_kv_cache", cache_operation) and self.offers(
+            "prefix_caching_manager", manager_operation
+        )
 
     @initialize(
         block_size=BLOCK_SIZES, slack=st.integers(-1, 2), cpu_share=st.sampled_from([0.25, 0.5, 1.0]), data=st.data()
@@ -233,7 +237,7 @@ class PagedLifecycleMachine(LockstepMachine):
             entries.append((seq, prompt))
         return entries
 
-    @precondition(lambda self: self.offers_both("fork"))
+    @precondition(lambda self: self.offers_both(paged_attention.FORK, block_manager.FORK))
     @rule(parent=SEQS, child=SEQS)
     def fork(self, parent: int, child: int) -> None:
         """A fork shares every block; the next write of either side into a partial one copies on write."""
@@ -254,7 +258,7 @@ class PagedLifecycleMachine(LockstepMachine):
         if self.free_gpu(seq):
             self.forget(seq)
 
-    @precondition(lambda self: self.offers_both("swap"))
+    @precondition(lambda self: self.offers_both(paged_attention.SWAP, swap.SWAP))
     @rule(slots=st.lists(SEQS, min_size=1, max_size=3))
     def swap_out(self, slots: list[int]) -> None:
         """A group leaves for the CPU, all or nothing; with nothing on the GPU the move must be rejected."""
@@ -264,7 +268,7 @@ class PagedLifecycleMachine(LockstepMachine):
             self.swapped.append(group)
             event(f"swap out: group of {len(group)}")
 
-    @precondition(lambda self: self.offers_both("swap"))
+    @precondition(lambda self: self.offers_both(paged_attention.SWAP, swap.SWAP))
     @rule(index=st.integers(0, SLOTS - 1), token=TOKENS)
     def swap_in(self, index: int, token: int) -> None:
         """A group comes back to the GPU and decodes in the same iteration, as a scheduler resumes it."""

@@ -272,7 +272,7 @@ class PrefixCacheMachine(LockstepMachine):
 
     def decode(self, seq: int, data: st.DataObject, label: str) -> None:
         """A decode step of ``seq``: two in three speculative, if it is running and rollback is offered."""
-        running = seq in self.written and self.offers("prefix_caching_manager", "rollback")
+        running = seq in self.written and self.offers("prefix_caching_manager", speculative.ROLLBACK)
         if running and data.draw(st.sampled_from([True, True, False]), label="speculative"):
             self.decode_speculatively(seq, data)
         else:
@@ -299,7 +299,7 @@ class PrefixCacheMachine(LockstepMachine):
 
     # -- speculative decoding ------------------------------------------------------------
 
-    @precondition(lambda self: self.offers("prefix_caching_manager", "rollback"))
+    @precondition(lambda self: self.offers("prefix_caching_manager", speculative.ROLLBACK))
     @rule(seq=SEQS, data=st.data())
     def speculate(self, seq: int, data: st.DataObject) -> None:
         """A speculative decode step of ``seq`` if it is running with room for a draft, else of the running request
@@ -470,7 +470,7 @@ class PrefixCacheMachine(LockstepMachine):
         extra_key = data.draw(st.one_of(NOT_EXTRA_KEYS, st.just(None)), label="extra key")
         self.write("add_sequence", seq, tokens, extra_key)
 
-    @precondition(lambda self: self.offers("prefix_caching_manager", "fork"))
+    @precondition(lambda self: self.offers("prefix_caching_manager", block_manager.FORK))
     @rule(parent=SEQS, child=SEQS)
     def fork(self, parent: int, child: int) -> None:
         self.call("fork", parent, child)
@@ -570,7 +570,7 @@ class DeferredCommitMachine(PrefixCacheMachine):
     """The same rules, blocks registered only after the forward, with aborts in between."""
 
     commit_point: model.Commit = "after_forward"
-    requires = {"prefix_caching_manager": frozenset({"deferred_commit"})}
+    requires = {"prefix_caching_manager": frozenset({model.DEFERRED_COMMIT})}
 
 
 TestPrefixCache = conformance_test(PrefixCacheMachine, "prefix cache")

@@ -41,11 +41,12 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from kvspec.properties.harness import LockstepMachine
 from kvspec.properties.running import conformance_test
-from kvspec.spec import admission, block_manager, block_pool, kv_transfer, preemption, prefix_cache, sample_groups
+from kvspec.spec import admission, block_manager, block_pool, kv_transfer, preemption, prefix_cache, sample_groups, swap
 from kvspec.spec import scheduler as model
 from kvspec.spec.errors import RequestTooLarge
 from kvspec.spec.invariants import invariant_result_matches_spec
 from kvspec.spec.kv_transfer import OUTCOMES
+from kvspec.spec.preemption import SWAP_PREEMPTION
 from kvspec.spec.prefix_cache import max_hit_blocks
 from kvspec.spec.scheduler import (
     LoadFailure,
@@ -186,17 +187,17 @@ class SchedulerMachineBase(LockstepMachine):
         prompt = self.draw_prompt(data)
         max_new_tokens = data.draw(st.integers(1, 3 * self.sizes[2]), label="max_new_tokens")
         manager = "prefix_caching_manager" if self.caching else "block_manager"
-        n = data.draw(self.samples if self.offers(manager, "fork") else st.just(1), label="n")
+        n = data.draw(self.samples if self.offers(manager, block_manager.FORK) else st.just(1), label="n")
         priority = data.draw(self.priorities, label="priority") if priority is None else priority
         readiness = self.readiness if ready is None else st.just(ready)
-        readiness = readiness if self.offers("scheduler", "not_ready") else st.just(True)
+        readiness = readiness if self.offers("scheduler", admission.NOT_READY) else st.just(True)
         ready = data.draw(readiness, label="ready")
         apart = n > 1 and self.finish_apart and data.draw(st.booleans(), label="samples finish apart")
         stops = (
             data.draw(st.lists(st.integers(1, max_new_tokens), min_size=n, max_size=n), label="stops") if apart else []
         )
         remote = sends = False
-        if self.transfers and self.offers("scheduler", "kv_transfer"):
+        if self.transfers and self.offers("scheduler", kv_transfer.KV_TRANSFER):
             remote = data.draw(st.booleans(), label="prompt computed elsewhere")
             sends = data.draw(st.booleans(), label="sends its KV on finish")
         self.next_id += 1
@@ -305,7 +306,7 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
     ) -> None:
         """``data``: open the example with transfers (the recompute machine's opening; others open their own)."""
         super().start(gpu_blocks, cpu_blocks, block_size, watermark, preemption, load_failure)
-        self.scheduler.spec = (model, kv_transfer)
+        self.scheduler.spec = (model, admission, kv_transfer)
         self.scheduler.model = model.new_model(self.memory(gpu_blocks), self.memory(cpu_blocks), self.config)
         self.requests: list[Request] = []  # every request accepted, in arrival order
         self.rejected: tuple[str, Any] | None = None  # the last call the implementation refused
@@ -314,7 +315,7 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
         if self.caching:
             watch_plans(self.scheduler.impl.gpu, self.plans)
         self.stopped_at: tuple[int, CachedBlocks] | None = None  # the request admission stopped at, its hits then
-        if data is not None and self.transfers and self.offers("scheduler", "kv_transfer"):
+        if data is not None and self.transfers and self.offers("scheduler", kv_transfer.KV_TRANSFER):
             self.open_with_transfers(data)
 
     def open_with_transfers(self, data: st.DataObject) -> None:
@@ -397,7 +398,7 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
         """Duplicate ids, empty prompts, zero outputs or samples: all out of contract.  Two samples only where
         the manager forks: one that cannot is never sent a group (its scheduler samples one at a time)."""
         manager = "prefix_caching_manager" if self.caching else "block_manager"
-        n = n if self.offers(manager, "fork") else min(n, 1)
+        n = n if self.offers(manager, block_manager.FORK) else min(n, 1)
         self.arrive(Request(request_id, tuple(prompt), max_new_tokens, n))
 
     def retry_refused(self) -> None:
@@ -520,7 +521,7 @@ class SchedulerMachine(LockstepSchedulerMachine):
 
     transfers: ClassVar[bool] = True
 
-    @precondition(lambda self: self.offers("scheduler", "kv_transfer"))
+    @precondition(lambda self: self.offers("scheduler", kv_transfer.KV_TRANSFER))
     @rule(
         index=st.integers(0, 3),
         outcome=st.sampled_from(["done", "done", "failed", "empty", "lost"]),
@@ -542,7 +543,7 @@ class SwapSchedulerMachine(SchedulerMachine):
     preemption: ClassVar[Preemption] = "swap"
     samples: ClassVar[st.SearchStrategy[int]] = st.sampled_from([2, 3, 1])
     finish_apart: ClassVar[bool] = True
-    requires = {"scheduler": frozenset({"swap_preemption"}), "block_manager": frozenset({"swap"})}
+    requires = {"scheduler": frozenset({SWAP_PREEMPTION}), "block_manager": frozenset({swap.SWAP})}
 
     @initialize(
         cpu_blocks=CPU_BLOCKS,
@@ -570,7 +571,7 @@ class SwapSchedulerMachine(SchedulerMachine):
         group -- a sample finished, the latest arrival -- gives way (its unfinished sample swapped, or dropped
         when the CPU is full), and is resumed as that sample alone.  Then the machine's rules take over.  A
         manager that cannot fork is never sent a group: its examples open with the machine's rules."""
-        if not self.offers("block_manager", "fork"):
+        if not self.offers("block_manager", block_manager.FORK):
             return
         gpu_blocks, _, size = self.sizes
         for n, prompt_blocks in ((1, 2), (2, 1)):
@@ -611,7 +612,7 @@ class CachedSchedulerMachine(LockstepSchedulerMachine):
     readiness: ClassVar[st.SearchStrategy[bool]] = st.sampled_from([True, True, False])
     batches_not_ready: ClassVar[bool] = True
     uses = frozenset({"block_pool", "prefix_caching_manager", "scheduler"})
-    requires = {"scheduler": frozenset({"prefix_caching"})}
+    requires = {"scheduler": frozenset({admission.PREFIX_CACHING})}
 
     @initialize(
         cpu_blocks=CPU_BLOCKS,
@@ -621,7 +622,7 @@ class CachedSchedulerMachine(LockstepSchedulerMachine):
         swaps=st.booleans(),
     )
     def start(self, gpu_blocks: int, cpu_blocks: int, block_size: int, watermark: int, swaps: bool) -> None:
-        swaps = swaps and self.offers("scheduler", "swap_preemption") and self.offers("prefix_caching_manager", "swap")
+        swaps = swaps and self.offers("scheduler", SWAP_PREEMPTION) and self.offers("prefix_caching_manager", swap.SWAP)
         super().start(gpu_blocks, cpu_blocks, block_size, watermark, "swap" if swaps else "recompute")
         self.gpu = self.subject("gpu", prefix_cache, self.scheduler.model.gpu, self.scheduler.impl.gpu)
 
@@ -645,7 +646,7 @@ class CachedSchedulerMachine(LockstepSchedulerMachine):
             event("cache trimmed while a request waits")
         self.step(then_steps)
 
-    @precondition(lambda self: self.offers("scheduler", "not_ready"))
+    @precondition(lambda self: self.offers("scheduler", admission.NOT_READY))
     @rule(indices=st.lists(st.integers(0, 4), min_size=1, max_size=3), then_steps=st.integers(0, 2))
     def mark_ready(self, indices: list[int], then_steps: int) -> None:
         """Requests not ready get their remote KV, often several before one step (the transfers of one batch land
@@ -662,7 +663,7 @@ class PrioritySchedulerMachine(CachedSchedulerMachine):
     """The priority policy over the cache: a victim may have arrived first and hold its grant already."""
 
     policy: ClassVar[QueuePolicy] = "priority"
-    requires = {"scheduler": frozenset({"prefix_caching", "priority"})}
+    requires = {"scheduler": frozenset({admission.PREFIX_CACHING, admission.PRIORITY})}
     priorities: ClassVar[st.SearchStrategy[int]] = st.integers(0, 2)
 
 

@@ -26,7 +26,7 @@ from hypothesis import event
 
 from kvspec.properties.running import conformance_test
 from kvspec.properties.test_scheduler import SwapSchedulerMachine
-from kvspec.spec import paged_attention
+from kvspec.spec import paged_attention, preemption, swap
 from kvspec.spec.block_manager import SeqId
 from kvspec.spec.paged_attention import PagedKVCache
 
@@ -72,9 +72,9 @@ class PagedLogitsSchedulerMachine(SwapSchedulerMachine):
         {"block_pool", "block_manager", "scheduler", "tiny_model", "paged_kv_cache", "contiguous_kv_cache"}
     )
     requires = {
-        "scheduler": frozenset({"swap_preemption"}),
-        "block_manager": frozenset({"swap"}),
-        "paged_kv_cache": frozenset({"swap"}),
+        "scheduler": frozenset({preemption.SWAP_PREEMPTION}),
+        "block_manager": frozenset({swap.SWAP}),
+        "paged_kv_cache": frozenset({paged_attention.SWAP}),
     }
     judges = ("paged_attention", *SwapSchedulerMachine.judges)
 

@@ -253,7 +253,7 @@ class PriorityTokenBudgetMachine(TokenBudgetMachine):
 
     policy: ClassVar[QueuePolicy] = "priority"
     priorities: ClassVar[st.SearchStrategy[int]] = st.integers(0, 2)
-    requires = {KIND: frozenset({"priority"})}
+    requires = {KIND: frozenset({shape.PRIORITY})}
 
 
 TestTokenBudgetScheduler = conformance_test(

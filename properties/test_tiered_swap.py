@@ -24,7 +24,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 from kvspec.properties.harness import LockstepMachine
 from kvspec.properties.running import conformance_test
 from kvspec.spec import block_manager as model
-from kvspec.spec import block_pool, kv_store, tiered_swap
+from kvspec.spec import block_pool, kv_store, kv_store_model, tiered_swap
 from kvspec.spec.conventions import StorePolicy
 from kvspec.spec.invariants import invariant_result_matches_spec
 from kvspec.spec.kv_store import TIERS, Key
@@ -37,7 +37,7 @@ NODE = 0  # the store node the device swaps to
 
 class TieredSwapMachine(LockstepMachine):
     uses = frozenset({"block_pool", "block_manager", "kv_store"})
-    requires = {"block_manager": frozenset({"tiered_swap_in"})}
+    requires = {"block_manager": frozenset({tiered_swap.TIERED_SWAP_IN})}
     judges = ("tiered_swap", "block_manager", "kv_store", "block_pool", "invariants")
 
     @initialize(data=st.data())
@@ -62,7 +62,9 @@ class TieredSwapMachine(LockstepMachine):
         policies = (stored,) * len(declared.tiers)
         store = impl.component("kv_store")(1, capacities, policies)
         expected = kv_store.new_store(1, capacities, policies, declared)
-        self.store = self.subject("store", kv_store, expected, store, refusal_view=kv_store.kept_by_a_refusal)
+        self.store = self.subject(
+            "store", (kv_store, kv_store_model), expected, store, refusal_view=kv_store.kept_by_a_refusal
+        )
         self.block_size, self.factor = block_size, factor
         # a prompt of 2 to factor + 1 device blocks, one a swap-out can cut inside a tier block; its tokens
         # distinct, so that a block loaded from the wrong slice holds other tokens than the right one
@@ -199,15 +201,17 @@ class TieredSwapMachine(LockstepMachine):
         """Put one tier block; where stores are pending, its transfer completes; where eviction runs in the
         background, the evictor runs after it.  Whether the store holds it."""
         if self.store("put", NODE, key, list(contents)) is None:
-            self.store.model = kv_store.refused_put(self.store.model, NODE, key)  # where a refusal adapts the policy
+            self.store.model = kv_store_model.refused_put(
+                self.store.model, NODE, key
+            )  # where a refusal adapts the policy
             return False
         copy = self.store.model.copies.get((NODE, key))
         if copy is not None and not copy.ready:
             self.store("complete", NODE, key, True)
-        if self.conventions.store.eviction == "background" and self.offers("kv_store", "settle"):
+        if self.conventions.store.eviction == "background" and self.offers("kv_store", kv_store.SETTLE):
             answer = self.store("settle", judged_by=None)
             if answer is not None and self.conventions.store.victims == "engine":
-                self.store.model = kv_store.evicted_by_engine(self.store.model, answer.actual)
+                self.store.model = kv_store_model.evicted_by_engine(self.store.model, answer.actual)
         return (NODE, key) in self.store.model.copies
 
     @precondition(lambda self: self.swapped)

@@ -1,10 +1,16 @@
-"""kvspec's specification: one module per layer, each readable on its own.
+"""kvspec's specification: one module per concern, each readable on its own.
+
+A chapter (a layer) opens in the module named after it -- its records, protocol, component kind, model and
+rules -- and a concern it outgrows, or an optional operation a later section introduces, continues in a module
+of its own that names the chapter it extends and declares its operations there (``batch_pool`` extends the
+pool, ``preemption`` and ``admission`` the scheduler, ``kv_store_placement`` the store).
 
 Read in this order:
 
 * ``kvspec.spec.errors`` -- the typed errors and the "failed operations change nothing" rule.
 * ``kvspec.spec.invariants`` -- how invariants are named and registered; the rules every layer shares.
 * ``kvspec.spec.block_pool`` -- layer 1: physical blocks, reference counts, free queue, hash map, LRU/LFU.
+* ``kvspec.spec.batch_pool`` -- layer 1: a request's prefix looked up, and its blocks registered, in one call each.
 * ``kvspec.spec.block_manager`` -- layer 2: block tables, fork, copy-on-write, swap moves.
 * ``kvspec.spec.speculative`` -- layers 2 and 3: speculative tokens rolled back, never written into a cached block.
 * ``kvspec.spec.sliding_window`` -- layer 2, windows: slid-out entries hold nothing (or a ring reuses them).

@@ -1,8 +1,11 @@
 """Layer 4, the admission phase as engines run it: cache hits, requests not ready, the watermark, queue order.
 
-Rules (the records, the location table and the model are ``kvspec.spec.scheduler``'s; ``scheduler.step``
-runs this phase after ``kvspec.spec.preemption``'s decode phase):
+Rules (the records, the location table and the model are ``kvspec.spec.scheduler``'s; ``step``, one
+iteration of the spec's scheduler, runs this phase after ``kvspec.spec.preemption``'s decode phase):
 
+* ``arrive(request)`` queues a request as waiting; one out of contract, or
+  too large to run even alone, is refused (the scheduler chapter's rules),
+  changing nothing.
 * After the decode phase, the groups that are not running are taken in rank
   order -- under ``fcfs`` swapped groups resume before new admissions because
   they arrived earlier -- and each is swapped in, or prefilled (prompt, fork
@@ -40,33 +43,88 @@ Invariants (tier in brackets):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import numbers
+from collections.abc import Collection, Iterable, Mapping
 from itertools import pairwise
+from typing import Protocol
 
 import attrs
 
-from kvspec.spec import kv_transfer, prefix_cache
+from kvspec.spec import kv_transfer, preemption, prefix_cache
+from kvspec.spec.block_manager import check_tokens
+from kvspec.spec.components import optional_operation
+from kvspec.spec.errors import InvalidOperation, RequestTooLarge
 from kvspec.spec.invariants import invariant
 from kvspec.spec.prefix_cache import CachingManager, max_hit_blocks
 from kvspec.spec.scheduler import (
     DEVICE_OF,
+    SCHEDULER,
     Group,
     Memory,
     Model,
     Request,
     RequestId,
+    Scheduler,
     SchedulerState,
     StepReport,
+    find,
     free_blocks,
     group_blocks,
     memory,
+    mover,
+    peak_blocks,
     queued,
     rank,
     relocate,
+    replace,
     tables_of,
 )
 
 BUSY = ("running", "loading")  # a loading group runs once its KV lands: the watermark is its room too
+
+
+class ReadinessScheduler(Scheduler, Protocol):
+    """A scheduler whose requests may arrive not ready, and wait for ``mark_ready`` (``NOT_READY``)."""
+
+    def mark_ready(self, request_id: RequestId) -> None: ...
+
+
+class PriorityScheduler(Scheduler, Protocol):
+    """A mode: run with ``config.policy == "priority"``, admission and preemption go by priority, with grants."""
+
+
+class PrefixCachingScheduler(Scheduler, Protocol):
+    """A mode: over prefix-caching managers, probed at admission for the prompt's cached prefix."""
+
+
+NOT_READY = optional_operation("not_ready", ReadinessScheduler, "mark_ready", kinds=(SCHEDULER.name,))
+PRIORITY = optional_operation("priority", PriorityScheduler, kinds=(SCHEDULER.name,))
+PREFIX_CACHING = optional_operation("prefix_caching", PrefixCachingScheduler, kinds=(SCHEDULER.name,))
+
+
+def step(model: Model) -> tuple[Model, StepReport]:
+    """One iteration of the spec's scheduler: the decode phase (``kvspec.spec.preemption``), then this one."""
+    model, report = preemption.decode_phase(model)
+    model, report = admission_phase(model, report)
+    return attrs.evolve(model, steps=model.steps + 1), report
+
+
+def arrive(model: Model, request: Request) -> Model:
+    """Queue the request as waiting, once it passes the contract and could run alone."""
+    request = check_request(request, model.arrived)
+    check_fits_alone(request, tables_of(model.gpu).pool.capacity, tables_of(model.gpu).block_size)
+    group = Group(request=request, arrival=len(model.arrived), ready=request.ready, remote=request.remote_prompt)
+    return attrs.evolve(model, arrived=model.arrived + (request.request_id,), groups=model.groups + (group,))
+
+
+def mark_ready(model: Model, request_id: RequestId) -> Model:
+    """A request that arrived not ready may be admitted from now on (a loading one readies when its load ends)."""
+    group = find(model, request_id)
+    if group.location == "loading":
+        raise InvalidOperation(f"request {request_id!r} waits on its KV load: the load's end makes it ready")
+    if group.ready:
+        raise InvalidOperation(f"request {request_id!r} is ready already")
+    return replace(model, attrs.evolve(group, ready=True))
 
 
 def admission_phase(model: Model, report: StepReport) -> tuple[Model, StepReport]:
@@ -92,7 +150,7 @@ def admit(model: Model, group: Group, need: int, report: StepReport) -> tuple[Mo
     rid, request = group.request.request_id, group.request
     gpu, cpu = model.gpu, model.cpu
     if group.location == "swapped":
-        cpu, gpu, _ = memory(cpu).move_sequences(cpu, gpu, group.seqs)
+        cpu, gpu, _ = mover(cpu).move_sequences(cpu, gpu, group.seqs)
         report = attrs.evolve(report, swapped_in_blocks=report.swapped_in_blocks + need)
         return relocate(attrs.evolve(model, gpu=gpu, cpu=cpu), group, "swap_in"), admitted(report, rid)
     first, *others = group.seqs  # the unfinished samples: a finished one is never resumed
@@ -230,7 +288,7 @@ def invariant_watermark_kept(after: SchedulerState, report: StepReport) -> str |
 @invariant(
     "a request not ready has no remote KV, grammar or adapter yet: running it computes from what is not there",
     "safety",
-    needs=("scheduler.not_ready",),
+    needs=(NOT_READY,),
 )
 def invariant_not_ready_never_admitted(state: SchedulerState) -> str | None:
     for group in state.groups:
@@ -265,3 +323,40 @@ def invariant_admission_stops_only_when_short(after: SchedulerState, report: Ste
     if admissible(need, free, after.config.watermark, idle):
         return f"request {first.request.request_id!r} needs at most {need} blocks, {free} are free, yet it waits"
     return None
+
+
+# -- the contract of an arrival -------------------------------------------------------
+
+
+def check_request(request: object, known: Collection[RequestId]) -> Request:
+    if not isinstance(request, Request):
+        raise InvalidOperation(f"expected a Request, got {type(request).__name__}")
+    rid = request.request_id
+    if not isinstance(rid, int) or isinstance(rid, bool):
+        raise InvalidOperation(f"request ids are ints, got {rid!r}")
+    if rid in known:
+        raise InvalidOperation(f"request {rid!r} already arrived")
+    check_tokens(request.prompt, allow_empty=False)
+    for name in ("max_new_tokens", "n"):
+        value = getattr(request, name)
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise InvalidOperation(f"request {request.request_id!r}: {name} must be an int >= 1, got {value!r}")
+    if not isinstance(request.priority, int) or isinstance(request.priority, bool):
+        raise InvalidOperation(f"request {request.request_id!r}: priority must be an int, got {request.priority!r}")
+    for flag in ("ready", "remote_prompt", "sends_kv"):
+        if not isinstance(getattr(request, flag), bool):
+            raise InvalidOperation(f"request {rid!r}: {flag} must be a bool, got {getattr(request, flag)!r}")
+    lengths = request.stops
+    if lengths and (
+        len(lengths) != request.n or any(type(k) is not int or not 0 < k <= request.max_new_tokens for k in lengths)
+    ):
+        raise InvalidOperation(f"request {rid!r}: stops must be n lengths in 1..max_new_tokens, got {lengths!r}")
+    return request
+
+
+def check_fits_alone(request: Request, gpu_capacity: int, block_size: int) -> None:
+    need = peak_blocks(request, block_size)
+    if need > gpu_capacity:
+        raise RequestTooLarge(
+            f"request {request.request_id!r} needs {need} blocks at its longest, the GPU has {gpu_capacity}"
+        )

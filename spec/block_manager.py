@@ -20,12 +20,8 @@ Rules (vLLM §4.2-4.4 and §5, lecture §4-5):
   ``fork_partial_block="copy"``, all but a partially filled last block, of which
   the child gets a copy in a fresh block at once (see Conventions).
 * ``free(seq)`` releases the table's blocks, last block first.
-* ``move_sequences(src, dst, seqs)`` moves a group of sequences to another
-  device's manager of the same implementation (swap): all of their distinct blocks are copied into freshly
-  allocated blocks of ``dst`` -- all or nothing -- the sharing inside the
-  group is kept, and the blocks are released in ``src``.  Moved blocks arrive
-  uncached: ``dst``'s prefix cache does not learn them, so a later prompt
-  recomputes rather than hits them (swap is for resuming, not for sharing).
+* Swap -- ``move_sequences`` of a group to another device's manager, the
+  optional operation ``SWAP`` -- is ``kvspec.spec.swap``'s.
 * Partial residency across block sizes -- ``truncate`` a sequence to a
   resident prefix, load the rest back from a tiered store's larger blocks --
   is ``kvspec.spec.tiered_swap``'s (the optional operation ``tiered_swap_in``).
@@ -79,7 +75,7 @@ import attrs
 
 from kvspec.spec import block_pool
 from kvspec.spec.block_pool import Pool, PoolState
-from kvspec.spec.components import component_kind
+from kvspec.spec.components import component_kind, optional_operation
 from kvspec.spec.conventions import REFERENCE, ManagerConventions
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import Group, invariant, refinement
@@ -138,15 +134,10 @@ class BlockManager(Protocol):
 # -- the model -------------------------------------------------------------------
 
 
-MANAGER_OPERATIONS = {
-    "fork": ("fork",),  # share every block of a sequence with a new one (parallel sampling, beam search)
-    "swap": ("move_sequences",),  # move sequence groups between two managers' pools (swap out / in)
-    "tiered_swap_in": ("truncate", "swap_in"),  # load a tail back from a tier of larger blocks (spec.tiered_swap)
-    "rollback": ("rollback",),  # drop the last tokens: rejected speculative drafts (spec.speculative)
-}
-BLOCK_MANAGER = component_kind(
-    "block_manager", BlockManager, builds="block_manager(pool, block_size)", optional=MANAGER_OPERATIONS
-)
+BLOCK_MANAGER = component_kind("block_manager", BlockManager, builds="block_manager(pool, block_size)")
+MANAGERS = ("block_manager", "prefix_caching_manager")  # the kinds that manage blocks (a later chapter declares one)
+# share every block of a sequence with a new one (parallel sampling, beam search):
+FORK = optional_operation("fork", BlockManager, "fork", kinds=MANAGERS)
 
 
 @attrs.frozen
@@ -327,41 +318,6 @@ def read_through_table(
     return tuple(out)
 
 
-def move_sequences(
-    src: Manager, dst: Manager, seqs: Sequence[SeqId]
-) -> tuple[Manager, Manager, tuple[tuple[int, int], ...]]:
-    """Move a group of sequences from ``src`` to ``dst``, all or nothing, keeping their sharing.
-
-    Returns the (source block, destination block) copies, in order of first use.
-    """
-    if len(set(seqs)) != len(seqs) or not seqs:
-        raise InvalidOperation(f"a group to move needs distinct sequences, got {list(seqs)!r}")
-    for seq in seqs:
-        require_live(src, seq)
-        require_new(dst, seq)
-    if src.block_size != dst.block_size:
-        raise InvalidOperation(f"block sizes differ: {src.block_size} and {dst.block_size}")
-    distinct = list(dict.fromkeys(b for seq in seqs for b in src.tables[seq]))
-    dst_pool, fresh = block_pool.allocate(dst.pool, len(distinct))
-    mapping = dict(zip(distinct, fresh, strict=True))
-    group_holders = holders({seq: src.tables[seq] for seq in seqs})
-    dst_pool = block_pool.share(dst_pool, [mapping[b] for b, n in group_holders.items() for _ in range(n - 1)])
-    contents = dict(dst.contents)
-    for old, new in mapping.items():
-        contents[new] = src.contents[old]
-    moved_tables = {seq: tuple(mapping[b] for b in src.tables[seq]) for seq in seqs}
-    dst = attrs.evolve(
-        dst,
-        pool=dst_pool,
-        tables={**dst.tables, **moved_tables},
-        tokens={**dst.tokens, **{seq: src.tokens[seq] for seq in seqs}},
-        contents=contents,
-    )
-    for seq in seqs:
-        src = free(src, seq)
-    return src, dst, tuple(mapping.items())
-
-
 # -- invariants over snapshots ---------------------------------------------------
 
 
@@ -424,7 +380,7 @@ def invariant_table_length_exact(state: ManagerState, held: Held | None = None) 
     "forking is what makes parallel sampling and beam search cheap: it shares the parent's blocks and allocates "
     "nothing, but the copy of a partial last block that the declared convention makes at once",
     "convention",
-    needs=("block_manager.fork", "prefix_caching_manager.fork", "paged_kv_cache.fork"),
+    needs=(FORK,),
 )
 def invariant_fork_allocates_nothing(
     before: ManagerState, after: ManagerState, parent: SeqId, child: SeqId, conventions: ManagerConventions
@@ -457,7 +413,7 @@ def invariant_copy_on_write_exact(expected: Sequence[tuple[int, int]], actual: S
 @invariant(
     "lecture exercise 4: n samples sharing a half-full block copy it n-1 times, never when blocks are full",
     "convention",
-    needs=("block_manager.fork",),
+    needs=(FORK,),
 )
 def invariant_parallel_sampling_copies(n: int, prompt_len: int, block_size: int, copies: int) -> str | None:
     """``copies``: the blocks the forks allocated and the copies the samples' writes made, together."""

@@ -27,18 +27,8 @@ Rules (vLLM §4.1-4.2, lecture §4; vLLM v1 ``BlockPool`` is the model):
   one registered first).  ``evict(n)`` forgets the hashes of up to ``n`` free
   cached blocks, in eviction order.
 
-Batch operations (optional: ``POOL_OPERATIONS``).  ``allocate``, ``share``
-and ``release`` already take a whole request's blocks; these two do the same
-for the hash map, so that serving a request -- look its prefix up, share it,
-allocate the rest, register it, release everything -- is five calls:
-
-* ``lookup_prefix(hashes)`` answers the blocks ``lookup`` names for
-  ``hashes[0], hashes[1], ...`` up to the first hash not cached: the cached
-  prefix of a request (vLLM's ``find_longest_cache_hit``).  It changes nothing.
-* ``register_blocks(blocks, hashes)`` is ``register(blocks[i], hashes[i])``
-  for each ``i`` in order and answers their answers (vLLM's
-  ``cache_full_blocks``), all or nothing: lists of unequal lengths, or a pair
-  that ``register`` would refuse, refuse the whole call and change nothing.
+The pool's optional batch operations -- a request's worth of hash-map calls
+at once -- are ``kvspec.spec.batch_pool``'s.
 
 Conventions (``spec.conventions.PoolConventions``; the reference's first):
 
@@ -137,21 +127,10 @@ class BlockPool(Protocol):
     def snapshot(self) -> PoolState: ...
 
 
-@runtime_checkable
-class BatchBlockPool(BlockPool, Protocol):
-    """A block pool that also offers the optional batch operations."""
-
-    def lookup_prefix(self, block_hashes: Sequence[Hashable]) -> list[int]: ...
-    def register_blocks(self, blocks: Sequence[int], block_hashes: Sequence[Hashable]) -> list[bool]: ...
-
-
 # -- the model -------------------------------------------------------------------
 
 
-POOL_OPERATIONS = {"lookup_prefix": ("lookup_prefix",), "register_blocks": ("register_blocks",)}
-BLOCK_POOL = component_kind(
-    "block_pool", BatchBlockPool, builds="block_pool(capacity, policy)", optional=POOL_OPERATIONS
-)
+BLOCK_POOL = component_kind("block_pool", BlockPool, builds="block_pool(capacity, policy)")
 
 
 @attrs.frozen
@@ -304,28 +283,6 @@ def lookup(pool: Pool, block_hash: Hashable) -> int | None:
     """The block cached under ``block_hash``, in use or free, if any; of several, the first registered."""
     blocks = pool.cached.get(block_hash, ())
     return blocks[0] if blocks else None
-
-
-def lookup_prefix(pool: Pool, block_hashes: Sequence[Hashable]) -> list[int]:
-    """The blocks ``lookup`` names for the leading hashes, up to the first not cached."""
-    found = []
-    for block_hash in block_hashes:
-        block = lookup(pool, block_hash)
-        if block is None:
-            break
-        found.append(block)
-    return found
-
-
-def register_blocks(pool: Pool, blocks: Sequence[int], block_hashes: Sequence[Hashable]) -> tuple[Pool, list[bool]]:
-    """``register`` each block under its hash, in order; one refused as out of contract refuses them all."""
-    if len(blocks) != len(block_hashes):
-        raise InvalidOperation(f"{len(blocks)} blocks but {len(block_hashes)} hashes")
-    answers = []
-    for block, block_hash in zip(blocks, block_hashes, strict=True):
-        pool, answer = register(pool, block, block_hash)
-        answers.append(answer)
-    return pool, answers
 
 
 def evict(pool: Pool, n: int) -> tuple[Pool, tuple[int, ...]]:

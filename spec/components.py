@@ -3,13 +3,20 @@
 Rules:
 
 * Each layer declares the *kind* of component it drives, once, beside its
-  protocol: ``component_kind(name, Protocol, builds=..., optional=...)``.
-  The protocol says what every such component has (its methods and
-  properties, its bases' included); ``optional`` are operations (or modes) an
-  engine may leave out, each with the methods it needs -- written in a
-  protocol of the chapter that introduces it -- which no component is then
-  required to have.  A layer of a third party declares its kind the same way,
-  in its own module.
+  protocol: ``component_kind(name, Protocol, builds=...)``.  The protocol
+  says what every such component has (its methods and properties, its
+  bases' included), but for the optional operations.
+* An *optional operation* is what an engine may leave out: a typed constant
+  (``speculative.ROLLBACK``, ``kv_transfer.KV_TRANSFER``) declared once by
+  ``optional_operation(name, Protocol, *methods, kinds=...)`` in the chapter
+  that introduces it, its methods written in that chapter's protocol.  A
+  *mode* -- the engine honours a configuration value and calls no method of
+  its own (priority scheduling, swap preemption) -- is an operation whose
+  protocol has no methods and says in its docstring what the mode is.  Rules
+  (``needs``), machines (``requires``, ``offers``) and offers
+  (``operations``) all name the constant, so a misspelt operation is a
+  ``NameError`` at import and a mypy error, never a silent "not offered".
+  A layer of a third party declares its kind and operations the same way.
 * An implementation offers a component with an ``Offer``: the factory (a
   class, or a function that builds one), the optional operations it supports,
   and the operations its adapter *emulates* -- composes from several engine
@@ -21,13 +28,13 @@ Rules:
 * An offer is validated when the implementation is loaded (``check_offer``):
   a factory must be callable and not a built component; a class must have its
   kind's methods and those of every optional operation it offers; an
-  operation named must exist.  What a function builds is checked when it is
-  built (``Offer.__call__``).  Each refusal is one ``DeclarationError`` line.
+  operation must be one of its kind's.  What a function builds is checked
+  when it is built (``Offer.__call__``).  Each refusal is one
+  ``DeclarationError`` line.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
@@ -44,39 +51,68 @@ class DeclarationError(Exception):
 
 
 @attrs.frozen
+class Operation:
+    """An optional operation of the ``kinds`` that may offer it: the methods it needs, written in ``protocol``."""
+
+    name: str
+    protocol: type  # the chapter's protocol that writes its methods (a mode's: one that has none, and says why)
+    methods: tuple[str, ...]
+    kinds: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+OPERATIONS: dict[str, dict[str, Operation]] = {}  # kind -> its optional operations, by name
+
+
+def optional_operation(name: str, protocol: type, *methods: str, kinds: tuple[str, ...]) -> Operation:
+    """Declare (once) an optional operation that components of ``kinds`` may offer, with ``methods`` of
+    ``protocol``; a kind declared later (a chapter that imports this one) may be named by its name."""
+    unwritten = [method for method in methods if method not in methods_of(protocol)]
+    if unwritten:
+        raise ValueError(f"optional operation {name!r}: {protocol.__qualname__} writes no {', '.join(unwritten)}")
+    operation = Operation(name=name, protocol=protocol, methods=methods, kinds=kinds)
+    for kind in kinds:
+        declared = OPERATIONS.setdefault(kind, {})
+        if name in declared:
+            raise ValueError(f"optional operation {kind}.{name} is declared twice")
+        declared[name] = operation
+    return operation
+
+
+@attrs.frozen
 class ComponentKind:
     """A layer's component: how it is built, what it always has, and what it may leave out."""
 
     name: str
     protocol: type | None  # what every such component is (None: a bare function)
     builds: str  # the factory's call, for messages and the guide: "block_pool(capacity, policy)"
-    methods: tuple[str, ...]
-    optional: Mapping[str, tuple[str, ...]]  # optional operation -> the methods it needs (none: a mode)
     layer: str  # the spec module that declares it
+
+    @property
+    def optional(self) -> Mapping[str, Operation]:
+        """The optional operations of this kind, by name: every chapter's that names it."""
+        return OPERATIONS.get(self.name, {})
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """What every such component has: its protocol's methods but those of an optional operation."""
+        only_optional = {method for operation in self.optional.values() for method in operation.methods}
+        members = methods_of(self.protocol) if self.protocol is not None else ()
+        return tuple(method for method in members if method not in only_optional)
 
 
 KINDS: dict[str, ComponentKind] = {}
 
 
-def component_kind(
-    name: str, protocol: type | None, *, builds: str, optional: Mapping[str, Iterable[str]] | None = None
-) -> ComponentKind:
-    """Declare (once) the component a layer drives, by its ``protocol`` (None: a bare function, a kernel);
-    the layer is the module that defines the protocol, else the calling module."""
+def component_kind(name: str, protocol: type | None, *, builds: str, module: str = "") -> ComponentKind:
+    """Declare (once) the component a layer drives, by its ``protocol`` (None: a bare function, a kernel, whose
+    ``module`` is then named); the layer is the module that defines the protocol."""
     if name in KINDS:
         raise ValueError(f"component kind {name!r} is declared twice")
-    operations = {operation: tuple(needs) for operation, needs in (optional or {}).items()}
-    members = methods_of(protocol) if protocol is not None else ()
-    only_optional = {method for needs in operations.values() for method in needs}
-    module = protocol.__module__ if protocol is not None else inspect.stack()[1].frame.f_globals.get("__name__", "?")
-    KINDS[name] = ComponentKind(
-        name=name,
-        protocol=protocol,
-        builds=builds,
-        methods=tuple(method for method in members if method not in only_optional),
-        optional=operations,
-        layer=module.rsplit(".", 1)[-1],
-    )
+    layer = protocol.__module__ if protocol is not None else module
+    KINDS[name] = ComponentKind(name=name, protocol=protocol, builds=builds, layer=layer.rsplit(".", 1)[-1])
     return KINDS[name]
 
 
@@ -87,22 +123,24 @@ def methods_of(protocol: type) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def check_operation(kind: str, operation: str) -> None:
-    """Refuse an optional operation ``kind`` does not declare: a misspelt name must never read "not offered"."""
-    declared = KINDS.get(kind)
-    if declared is None:
+def check_operation(kind: str, operation: Operation) -> None:
+    """Refuse to ask ``kind`` for an operation it cannot offer: that would read "not offered" for ever."""
+    if kind not in KINDS:
         raise ValueError(f"no layer declares a component {kind!r}; known: {', '.join(sorted(KINDS))}")
-    if operation not in declared.optional:
-        known = ", ".join(sorted(declared.optional)) or "none"
-        raise ValueError(f"{kind} declares no optional operation {operation!r} (its optional ones: {known})")
+    if kind not in operation.kinds:
+        raise ValueError(f"{kind} cannot offer {operation}: an optional operation of {', '.join(operation.kinds)}")
 
 
-def every_operation(kind: str) -> frozenset[str]:
+def every_operation(kind: str) -> frozenset[Operation]:
     """Every optional operation of ``kind``: what the reference offers."""
-    return frozenset(KINDS[kind].optional)
+    return frozenset(OPERATIONS.get(kind, {}).values())
 
 
 def names(values: Iterable[str]) -> frozenset[str]:
+    return frozenset(values)
+
+
+def operations(values: Iterable[Operation]) -> frozenset[Operation]:
     return frozenset(values)
 
 
@@ -115,7 +153,7 @@ class Offer(Generic[P, R]):
     """
 
     factory: Callable[P, R]
-    operations: frozenset[str] = attrs.field(default=frozenset(), converter=names)
+    operations: frozenset[Operation] = attrs.field(default=frozenset(), converter=operations)
     emulated: frozenset[str] = attrs.field(default=frozenset(), converter=names)
     kind: str = ""  # set by the implementation that holds the offer
 
@@ -133,7 +171,7 @@ class Offer(Generic[P, R]):
                 raise DeclarationError(f"{self.kind}: what {name_of(self.factory)} builds has no {', '.join(missing)}")
         return built
 
-    def offers(self, operation: str) -> bool:
+    def offers(self, operation: Operation) -> bool:
         return operation in self.operations
 
 
@@ -151,10 +189,9 @@ def name_of(factory: object) -> str:
     return getattr(factory, "__qualname__", None) or type(factory).__name__
 
 
-def missing_methods(kind: str, component: object, operations: Iterable[str]) -> list[str]:
-    """The methods ``component`` (a class or a built object) lacks for ``kind`` and ``operations``."""
-    declared = KINDS[kind]
-    needed = [*declared.methods, *(m for operation in operations for m in declared.optional.get(operation, ()))]
+def missing_methods(kind: str, component: object, offered: Iterable[Operation]) -> list[str]:
+    """The methods ``component`` (a class or a built object) lacks for ``kind`` and the operations ``offered``."""
+    needed = [*KINDS[kind].methods, *(method for operation in offered for method in operation.methods)]
     return [method for method in dict.fromkeys(needed) if not hasattr(component, method)]
 
 
@@ -176,10 +213,12 @@ def check_offer(kind: str, offer: Offer[..., Any]) -> None:
         raise DeclarationError(
             f"{kind} is a built {type(factory).__name__}, not a factory: give the class, or a function that builds one"
         )
-    unknown = sorted(offer.operations - set(KINDS[kind].optional))
-    if unknown:
+    foreign = sorted(str(operation) for operation in offer.operations if kind not in operation.kinds)
+    if foreign:
         known = ", ".join(sorted(KINDS[kind].optional)) or "none"
-        raise DeclarationError(f"{kind} offers unknown operations {', '.join(unknown)} (optional ones: {known})")
+        raise DeclarationError(
+            f"{kind} offers {', '.join(foreign)}, not operations of a {kind} (its optional: {known})"
+        )
     operations = {*KINDS[kind].methods, *KINDS[kind].optional}
     strange = sorted(offer.emulated - operations)
     if strange:

@@ -41,21 +41,29 @@ from typing import Any
 
 import attrs
 
-from kvspec.spec import (  # noqa: F401  (each declares its component kind on import)
+from kvspec.spec import (  # noqa: F401  (each declares its component kind, or optional operations, on import)
+    batch_pool,
     block_manager,
     block_pool,
     contiguous,
+    hierarchical_radix,
     kv_store,
+    kv_store_placement,
+    kv_transfer,
     paged_attention,
     prefix_cache,
     radix_cache,
     radix_pages,
     scheduler,
+    scheduler_v1,
     sliding_window,
+    speculative,
+    swap,
+    tiered_swap,
 )
 from kvspec.spec.block_manager import BlockManager
 from kvspec.spec.block_pool import BlockPool, Policy
-from kvspec.spec.components import KINDS, DeclarationError, Offer, as_offer, check_offer, check_operation
+from kvspec.spec.components import KINDS, DeclarationError, Offer, Operation, as_offer, check_offer
 from kvspec.spec.contiguous import ContiguousAllocator, Placement
 from kvspec.spec.conventions import Conventions
 from kvspec.spec.invariants import REGISTRY, Invariant
@@ -128,18 +136,19 @@ class Implementation:
             raise DeclarationError(f"{self.name} offers no {kind}")
         return offer
 
-    def offers_operation(self, kind: str, operation: str) -> bool:
+    def offers_operation(self, kind: str, operation: Operation) -> bool:
         """Whether the component of ``kind`` in use (own or borrowed) offers the optional ``operation``."""
         offer = self.offers().get(kind)
         return offer is not None and operation in offer.operations
 
     def rules_not_offered(self) -> frozenset[Invariant]:
-        """The rules no machine reaches against this implementation: it offers none of the operations each needs
-        (each named ``kind.operation``, and refused if its kind declares no such operation)."""
-        needed = {rule: [need.split(".", 1) for need in rule.needs] for rule in REGISTRY.values() if rule.needs}
-        for kind, operation in (pair for pairs in needed.values() for pair in pairs):
-            check_operation(kind, operation)
-        return frozenset(rule for rule, pairs in needed.items() if not any(self.offers_operation(*p) for p in pairs))
+        """The rules no machine reaches against this implementation: no component of a kind that may offer one
+        of the operations each needs offers it."""
+        return frozenset(
+            rule
+            for rule in REGISTRY.values()
+            if rule.needs and not any(self.offers_operation(kind, need) for need in rule.needs for kind in need.kinds)
+        )
 
     def complete_with(self, reference: Implementation) -> Implementation:
         """Fill every component this implementation leaves out from ``reference``."""

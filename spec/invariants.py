@@ -45,9 +45,12 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import attrs
+
+if TYPE_CHECKING:
+    from kvspec.spec.components import Operation
 
 Tier = Literal["safety", "caller contract", "convention"]
 TIERS: tuple[Tier, ...] = ("safety", "caller contract", "convention")
@@ -62,7 +65,7 @@ class Invariant:
     tier: Tier
     why: str
     fails_only_with: str  # empty, or why it cannot fail unless another named invariant fails too
-    needs: tuple[str, ...]  # "kind.operation": the optional operations without which no machine reaches it
+    needs: tuple[Operation, ...]  # the optional operations without which no machine reaches it
     check: Callable[..., str | None] = attrs.field(eq=False, repr=False)
     arity: int = attrs.field(eq=False, repr=False)
 
@@ -74,12 +77,12 @@ REGISTRY: dict[str, Invariant] = {}
 
 
 def invariant(
-    why: str, tier: Tier, *, fails_only_with: str = "", needs: tuple[str, ...] = ()
+    why: str, tier: Tier, *, fails_only_with: str = "", needs: tuple[Operation, ...] = ()
 ) -> Callable[[Callable[..., str | None]], Invariant]:
     """Declare the predicate as an invariant of its module's layer; the name is the function's.
 
-    ``needs`` names the optional operations (``"block_manager.swap"``) without which no machine reaches
-    the rule: against an implementation that offers none of them, it is "not offered".
+    ``needs`` names the optional operations (``swap.SWAP``) without which no machine reaches
+    the rule: against an implementation that offers none of them, on any kind that may, it is "not offered".
     """
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}; choose from {TIERS}")

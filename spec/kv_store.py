@@ -137,27 +137,8 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from kvspec.spec.components import component_kind
+from kvspec.spec.components import component_kind, optional_operation
 from kvspec.spec.invariants import diff_states, invariant
-from kvspec.spec.kv_store_model import (  # the transitions the machines dispatch to, by name
-    advance,
-    complete,
-    demote,
-    evict,
-    evicted_by_engine,
-    fail,
-    find,
-    get,
-    lookup,
-    pin,
-    put,
-    refused_put,
-    remove,
-    replicate,
-    restart,
-    settle,
-    unpin,
-)
 from kvspec.spec.kv_store_state import (  # the layer's records, read from here
     REFERENCE_STORE,
     TIERS,
@@ -174,7 +155,7 @@ from kvspec.spec.kv_store_state import (  # the layer's records, read from here
     new_store,
 )
 
-__all__ = [  # the layer read from one place: its records and transitions, its protocol and rules
+__all__ = [  # the layer read from one place: its records, its protocol and rules (its transitions: kv_store_model)
     "Copy",
     "KVStore",
     "KV_STORE",
@@ -187,16 +168,8 @@ __all__ = [  # the layer read from one place: its records and transitions, its p
     "TIERS",
     "Tokens",
     "abstract",
-    "advance",
-    "complete",
     "copies_in_use",
-    "demote",
-    "evict",
-    "evicted_by_engine",
     "eviction_order",
-    "fail",
-    "find",
-    "get",
     "in_use",
     "invariant_demotion_keeps_the_block",
     "invariant_directory_exact",
@@ -211,16 +184,7 @@ __all__ = [  # the layer read from one place: its records and transitions, its p
     "invariant_store_refines_spec",
     "invariant_tier_capacity",
     "kept_by_a_refusal",
-    "lookup",
     "new_store",
-    "pin",
-    "put",
-    "refused_put",
-    "remove",
-    "replicate",
-    "restart",
-    "settle",
-    "unpin",
 ]
 
 
@@ -243,7 +207,7 @@ class KVStore(Protocol):
 
 @runtime_checkable
 class EngineChoicesStore(KVStore, Protocol):
-    """The operations of the engines' choices, each offered by name (``KV_STORE.optional``)."""
+    """The optional operations of the engines' choices (``PENDING_STORES``, ``LEASES``, ``SETTLE``, ``REMOVE``)."""
 
     def complete(self, node: int, key: Key, ok: bool) -> None: ...  # pending_stores: a store lands (or fails)
     def find(self, node: int, key: Key) -> str: ...  # pending_stores: "hit", "pending" or "miss"
@@ -252,20 +216,14 @@ class EngineChoicesStore(KVStore, Protocol):
     def remove(self, node: int, key: Key) -> None: ...  # remove: drop a copy on request
 
 
-KV_STORE = component_kind(
-    "kv_store",
-    KVStore,
-    builds="kv_store(nodes, capacities, policies)",
-    optional={
-        "replicate": ("replicate",),
-        "node_faults": ("fail", "restart"),
-        "pending_stores": ("complete", "find"),  # stores="pending" (EngineChoicesStore)
-        "leases": ("advance",),
-        "settle": ("settle",),
-        "remove": ("remove",),
-        "replicated_puts": ("put_replicated",),  # spec.kv_store_placement.ReplicatingStore
-    },
-)
+KV_STORE = component_kind("kv_store", KVStore, builds="kv_store(nodes, capacities, policies)")
+STORES = (KV_STORE.name,)
+REPLICATE = optional_operation("replicate", KVStore, "replicate", kinds=STORES)
+NODE_FAULTS = optional_operation("node_faults", KVStore, "fail", "restart", kinds=STORES)
+PENDING_STORES = optional_operation("pending_stores", EngineChoicesStore, "complete", "find", kinds=STORES)
+LEASES = optional_operation("leases", EngineChoicesStore, "advance", kinds=STORES)
+SETTLE = optional_operation("settle", EngineChoicesStore, "settle", kinds=STORES)
+REMOVE = optional_operation("remove", EngineChoicesStore, "remove", kinds=STORES)
 
 
 # -- invariants over snapshots ---------------------------------------------------
@@ -406,7 +364,7 @@ def invariant_get_returns_put(key: Key, written: Tokens | None, read: Tokens | N
 @invariant(
     "a block still being stored holds part of a transfer: a hit that reads it serves KV that never finished arriving",
     "safety",
-    needs=("kv_store.pending_stores",),
+    needs=(PENDING_STORES,),
 )
 def invariant_pending_never_read(key: Key, was_pending: bool, read: Tokens | None) -> str | None:
     if was_pending and read is not None:
@@ -417,7 +375,7 @@ def invariant_pending_never_read(key: Key, was_pending: bool, read: Tokens | Non
 @invariant(
     "a store whose transfer failed must leave a miss: a copy left behind serves whatever the failed transfer wrote",
     "safety",
-    needs=("kv_store.pending_stores",),
+    needs=(PENDING_STORES,),
 )
 def invariant_failed_store_leaves_miss(after: StoreState, node: int, key: Key) -> str | None:
     if (node, key) in after.contents or after.location(node, key) is not None:

@@ -49,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from kvspec.spec.components import optional_operation
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant
 from kvspec.spec.kv_store import KVStore
@@ -71,6 +72,9 @@ class ReplicatingStore(KVStore, Protocol):
     def put_replicated(self, node: int, key: Key, tokens: Sequence[int], factor: int) -> tuple[int, ...]:
         """A put on ``node``, then fresh copies on the next live nodes in ring order: the nodes that hold one."""
         ...
+
+
+REPLICATED_PUTS = optional_operation("replicated_puts", ReplicatingStore, "put_replicated", kinds=("kv_store",))
 
 
 def ring(alive: Sequence[bool], node: int) -> list[int]:
@@ -106,7 +110,7 @@ def put_replicated(
     "a replicated put promises that any factor - 1 node faults leave the block readable: two replicas on one node, "
     "or one too few, lose it to a fault the caller was told it survives",
     "safety",
-    needs=("kv_store.replicated_puts",),
+    needs=(REPLICATED_PUTS,),
 )
 def invariant_replicas_on_distinct_nodes(after: StoreState, key: Key, tokens: Tokens, factor: int) -> str | None:
     nodes = sorted(n for (n, k), held in after.contents.items() if k == key and held == tokens and after.alive[n])

@@ -69,9 +69,11 @@ from typing import Literal, Protocol, runtime_checkable
 import attrs
 
 from kvspec.spec.block_manager import SeqId
+from kvspec.spec.components import optional_operation
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant
 from kvspec.spec.scheduler import (
+    SCHEDULER,
     Group,
     Memory,
     Model,
@@ -95,6 +97,9 @@ class TransferringScheduler(Scheduler, Protocol):
     def finish_transfer(self, request_id: RequestId, outcome: Outcome) -> None:
         """The worker's report that a request's load or send ended: ``done``, ``failed`` or ``empty``."""
         ...
+
+
+KV_TRANSFER = optional_operation("kv_transfer", TransferringScheduler, "finish_transfer", kinds=(SCHEDULER.name,))
 
 
 @attrs.frozen
@@ -155,7 +160,7 @@ def request_of(seq: SeqId) -> object:
     "a transfer in flight writes (a load) or reads (a send) its blocks whatever the scheduler decided since: "
     "a block freed or handed to another request under it is corrupted, or leaks another request's KV",
     "safety",
-    needs=("scheduler.kv_transfer",),
+    needs=(KV_TRANSFER,),
 )
 def invariant_transfer_blocks_held(in_flight: Mapping[RequestId, Collection[int]], state: SchedulerState) -> str | None:
     """``in_flight``: each transfer not yet reported ended, with the GPU blocks its sequences held when it began;
@@ -178,7 +183,7 @@ def invariant_transfer_blocks_held(in_flight: Mapping[RequestId, Collection[int]
 @invariant(
     "a landing zone holds what was there before the KV lands: decoding over it computes from garbage",
     "safety",
-    needs=("scheduler.kv_transfer",),
+    needs=(KV_TRANSFER,),
 )
 def invariant_no_decode_before_load_lands(
     loads: Collection[RequestId], state: SchedulerState, report: StepReport
@@ -197,7 +202,7 @@ def invariant_no_decode_before_load_lands(
     "a failed or empty load left no KV in the landing zone: running over it serves garbage, so the prompt is "
     "computed again (or the request aborted)",
     "safety",
-    needs=("scheduler.kv_transfer",),
+    needs=(KV_TRANSFER,),
 )
 def invariant_failed_load_recomputes(request_id: RequestId, outcome: str, state: SchedulerState) -> str | None:
     if outcome == "done":

@@ -86,7 +86,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvspec.spec.block_manager import BlockManager, SeqId, WritePlan
-from kvspec.spec.components import component_kind
+from kvspec.spec.components import component_kind, optional_operation
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant
 
@@ -179,18 +179,16 @@ class Model(Protocol):
         ...
 
 
-PAGED_KV_CACHE = component_kind(
-    "paged_kv_cache",
-    PagedKVCache,
-    builds="paged_kv_cache(manager, shape)",
-    optional={"fork": ("fork",), "swap": ("move_sequences",)},
-)
+PAGED_KV_CACHE = component_kind("paged_kv_cache", PagedKVCache, builds="paged_kv_cache(manager, shape)")
+FORK = optional_operation("fork", PagedKVCache, "fork", kinds=(PAGED_KV_CACHE.name,))
+SWAP = optional_operation("swap", PagedKVCache, "move_sequences", kinds=(PAGED_KV_CACHE.name,))
 TINY_MODEL = component_kind("tiny_model", Model, builds="tiny_model(**sizes)")
 CONTIGUOUS_KV_CACHE = component_kind("contiguous_kv_cache", SequenceCache, builds="contiguous_kv_cache(shape)")
 DECODE_ATTENTION = component_kind(  # a kernel: a function, no methods
     "decode_attention",
     None,
     builds="decode_attention(queries, key_blocks, value_blocks, tables, lengths, chunk_blocks)",
+    module=__name__,
 )
 
 

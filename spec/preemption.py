@@ -1,7 +1,7 @@
 """Layer 4, the decode phase: grants, victims, swap or recompute, and deadlock freedom.
 
 Rules (vLLM §4.5, lecture §6; the records, the location table and the model are
-``kvspec.spec.scheduler``'s, and ``scheduler.step`` runs this phase first):
+``kvspec.spec.scheduler``'s, and ``admission.step`` runs this phase first):
 
 * Each step first *grants* every running group one token per sample, in
   arrival order, while the blocks the grants take (``append_demand``, added
@@ -57,20 +57,24 @@ Invariants (tier in brackets):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import attrs
 
 from kvspec.spec import block_manager, kv_transfer
 from kvspec.spec.block_manager import holders, read_through_table
+from kvspec.spec.components import optional_operation
 from kvspec.spec.invariants import Group as InvariantGroup
 from kvspec.spec.invariants import invariant
 from kvspec.spec.scheduler import (
     DEVICE_OF,
+    SCHEDULER,
     Group,
     Memory,
     Model,
     Preemption,
     RequestId,
+    Scheduler,
     SchedulerState,
     StepReport,
     devices,
@@ -78,6 +82,7 @@ from kvspec.spec.scheduler import (
     free_blocks,
     invariant_memory_never_overcommitted,
     memory,
+    mover,
     rank,
     ranking,
     release,
@@ -86,6 +91,13 @@ from kvspec.spec.scheduler import (
     sampled_token,
     tables_of,
 )
+
+
+class SwapPreemptingScheduler(Scheduler, Protocol):
+    """A mode: run with ``config.preemption == "swap"``, a victim's blocks go to the CPU manager."""
+
+
+SWAP_PREEMPTION = optional_operation("swap_preemption", SwapPreemptingScheduler, kinds=(SCHEDULER.name,))
 
 
 def decode_phase(model: Model) -> tuple[Model, StepReport]:
@@ -124,7 +136,7 @@ def preempt(model: Model, victim: Group) -> tuple[Model, Preemption]:
     distinct = len({b for s in victim.seqs for b in tables_of(model.gpu).tables[s]})
     bumped = attrs.evolve(victim, preemptions=victim.preemptions + 1)
     if model.config.preemption == "swap" and distinct <= free_blocks(model.cpu):
-        gpu, cpu, _ = memory(model.gpu).move_sequences(model.gpu, model.cpu, victim.seqs)
+        gpu, cpu, _ = mover(model.gpu).move_sequences(model.gpu, model.cpu, victim.seqs)
         return relocate(attrs.evolve(model, gpu=gpu, cpu=cpu), bumped, "swap_out"), "swap"
     return relocate(release(model, victim), bumped, "recompute"), "recompute"
 
@@ -212,7 +224,7 @@ def invariant_group_on_one_device(state: SchedulerState) -> str | None:
     "a swapped group must come back with exactly the KV it left with, or it continues from corrupt state",
     "safety",
     fails_only_with="a table reads back its sequence's tokens (invariant_read_back_exact) and those are the group's (invariant_recompute_restores_tokens)",
-    needs=("scheduler.swap_preemption",),
+    needs=(SWAP_PREEMPTION,),
 )
 def invariant_swap_restores_contents(state: SchedulerState) -> str | None:
     for group in state.groups:

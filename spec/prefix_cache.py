@@ -80,10 +80,10 @@ from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
-from kvspec.spec import block_manager, block_pool, speculative
+from kvspec.spec import block_manager, block_pool, speculative, swap
 from kvspec.spec.block_manager import Manager, ManagerState, SeqId, WritePlan
 from kvspec.spec.block_pool import Pool, PoolState
-from kvspec.spec.components import component_kind
+from kvspec.spec.components import component_kind, optional_operation
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant
 
@@ -133,13 +133,11 @@ class PrefixCachingManager(block_manager.BlockManager, Protocol):
 
 
 PREFIX_CACHING_MANAGER = component_kind(
-    "prefix_caching_manager",
-    PrefixCachingManager,
-    builds='prefix_caching_manager(pool, block_size, commit="on_fill")',
-    optional={
-        **block_manager.MANAGER_OPERATIONS,
-        "deferred_commit": ("commit",),  # commit="after_forward": filled blocks are cached once the forward ran
-    },
+    "prefix_caching_manager", PrefixCachingManager, builds='prefix_caching_manager(pool, block_size, commit="on_fill")'
+)
+# commit="after_forward": filled blocks are cached once the forward ran
+DEFERRED_COMMIT = optional_operation(
+    "deferred_commit", PrefixCachingManager, "commit", kinds=(PREFIX_CACHING_MANAGER.name,)
 )
 
 
@@ -238,7 +236,7 @@ def move_sequences(
     src: CachingManager, dst: CachingManager, seqs: Sequence[SeqId]
 ) -> tuple[CachingManager, CachingManager, tuple[tuple[int, int], ...]]:
     """Layer 2's move (swap): the group's extra keys travel with it, its blocks arrive uncached."""
-    src_manager, dst_manager, mapping = block_manager.move_sequences(src.manager, dst.manager, seqs)
+    src_manager, dst_manager, mapping = swap.move_sequences(src.manager, dst.manager, seqs)
     keys = {seq: src.extra_keys[seq] for seq in seqs}
     src = attrs.evolve(
         src,

@@ -11,7 +11,7 @@ Rules (vLLM §4.5 and §5.2, lecture §6):
   says: admission runs it (prefill, swap in), preemption swaps it out or
   sends it back to wait (recompute), and it leaves when it finishes or is
   aborted.
-* ``arrive(request)`` queues the request as waiting (a request may arrive
+* ``arrive(request)`` (``kvspec.spec.admission``'s) queues the request as waiting (a request may arrive
   *not ready*: see ``mark_ready``).  One whose peak need --
   ``group_blocks(prompt, max_new_tokens, n)``, the blocks it holds after its
   last token -- exceeds the GPU's capacity could never run even alone: it is
@@ -33,7 +33,8 @@ Rules (vLLM §4.5 and §5.2, lecture §6):
   fork (``SchedulerConfig.fork_partial_block="copy"``, HF's) those copies are
   part of what the admission takes.
 * ``mark_ready(request_id)`` -- the remote KV arrived, the grammar compiled,
-  an adapter slot opened: a request that arrived not ready may be admitted.
+  an adapter slot opened: a request that arrived not ready may be admitted
+  (the optional operation ``NOT_READY``, ``kvspec.spec.admission``'s).
 * ``abort(request_id)`` drops an unfinished request and frees its blocks.
 * **KV transfers** (``kvspec.spec.kv_transfer``, the optional operation
   ``finish_transfer``): a request whose prompt was computed elsewhere is
@@ -49,8 +50,10 @@ The chapter reads top to bottom in three modules, each with its rules, its
 transitions and its invariants: this one (records, the location table, the
 protocol, the spec's scheduler ``Model`` with its pure transitions -- every
 change of place through ``relocate``, by the table -- and the rules over
-memory); ``kvspec.spec.preemption`` (the decode phase, the deadlock bound);
-``kvspec.spec.admission`` (the admission phase).
+memory); ``kvspec.spec.preemption`` (the decode phase, the deadlock bound,
+swap preemption); ``kvspec.spec.admission`` (the admission phase, requests
+not ready, priorities, prefix caching, and ``step``: one iteration of both).
+Each optional operation (mode) is declared in the module of its phase.
 
 The factory an ``Implementation`` provides: ``scheduler(gpu, cpu, config)``
 with ``gpu`` and ``cpu`` two empty ``BlockManager``s of one block size and
@@ -68,17 +71,16 @@ Invariants (the pool and manager invariants hold on both devices too):
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import attrs
 
-from kvspec.spec import block_manager, prefix_cache
-from kvspec.spec.block_manager import Manager, ManagerState, SeqId, blocks_for, check_tokens
+from kvspec.spec import block_manager, prefix_cache, swap
+from kvspec.spec.block_manager import Manager, ManagerState, SeqId, blocks_for
 from kvspec.spec.components import component_kind
-from kvspec.spec.errors import InvalidOperation, RequestTooLarge
+from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant, refinement
 from kvspec.spec.prefix_cache import CachingManager
 
@@ -217,24 +219,13 @@ class Scheduler(Protocol):
     def arrive(self, request: Request) -> None: ...
     def step(self) -> StepReport: ...
     def abort(self, request_id: RequestId) -> None: ...
-    def mark_ready(self, request_id: RequestId) -> None: ...
     def snapshot(self) -> SchedulerState: ...
 
 
-# -- arithmetic both the model and implementations use --------------------------------
+SCHEDULER = component_kind("scheduler", Scheduler, builds="scheduler(gpu_manager, cpu_manager, config)")
 
-SCHEDULER = component_kind(
-    "scheduler",
-    Scheduler,
-    builds="scheduler(gpu_manager, cpu_manager, config)",
-    optional={
-        "swap_preemption": (),  # config.preemption == "swap": a victim's blocks go to the CPU manager
-        "priority": (),  # config.policy == "priority": admission and preemption by priority, with grants
-        "not_ready": ("mark_ready",),  # requests may arrive not ready and wait for mark_ready
-        "prefix_caching": (),  # the devices' managers are prefix-caching managers, probed at admission
-        "kv_transfer": ("finish_transfer",),  # spec.kv_transfer.TransferringScheduler
-    },
-)
+
+# -- arithmetic both the model and implementations use --------------------------------
 
 
 def sampled_token(request_id: RequestId, sample: int, position: int) -> int:
@@ -261,32 +252,6 @@ def rank(group: Group, policy: QueuePolicy) -> tuple[int, int]:
     return (group.request.priority if policy == "priority" else 0, group.arrival)
 
 
-def check_request(request: object, known: Collection[RequestId]) -> Request:
-    if not isinstance(request, Request):
-        raise InvalidOperation(f"expected a Request, got {type(request).__name__}")
-    rid = request.request_id
-    if not isinstance(rid, int) or isinstance(rid, bool):
-        raise InvalidOperation(f"request ids are ints, got {rid!r}")
-    if rid in known:
-        raise InvalidOperation(f"request {rid!r} already arrived")
-    check_tokens(request.prompt, allow_empty=False)
-    for name in ("max_new_tokens", "n"):
-        value = getattr(request, name)
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-            raise InvalidOperation(f"request {request.request_id!r}: {name} must be an int >= 1, got {value!r}")
-    if not isinstance(request.priority, int) or isinstance(request.priority, bool):
-        raise InvalidOperation(f"request {request.request_id!r}: priority must be an int, got {request.priority!r}")
-    for flag in ("ready", "remote_prompt", "sends_kv"):
-        if not isinstance(getattr(request, flag), bool):
-            raise InvalidOperation(f"request {rid!r}: {flag} must be a bool, got {getattr(request, flag)!r}")
-    lengths = request.stops
-    if lengths and (
-        len(lengths) != request.n or any(type(k) is not int or not 0 < k <= request.max_new_tokens for k in lengths)
-    ):
-        raise InvalidOperation(f"request {rid!r}: stops must be n lengths in 1..max_new_tokens, got {lengths!r}")
-    return request
-
-
 def check_config(config: SchedulerConfig) -> None:
     if config.preemption not in ("swap", "recompute") or config.policy not in ("fcfs", "priority"):
         raise InvalidOperation(f"unusable scheduler config {config!r}")
@@ -294,14 +259,6 @@ def check_config(config: SchedulerConfig) -> None:
         raise InvalidOperation(f"unusable scheduler config {config!r}")
     if not isinstance(config.watermark, int) or config.watermark < 0:
         raise InvalidOperation(f"unusable scheduler config {config!r}")
-
-
-def check_fits_alone(request: Request, gpu_capacity: int, block_size: int) -> None:
-    need = peak_blocks(request, block_size)
-    if need > gpu_capacity:
-        raise RequestTooLarge(
-            f"request {request.request_id!r} needs {need} blocks at its longest, the GPU has {gpu_capacity}"
-        )
 
 
 # -- the spec's scheduler ---------------------------------------------------------------
@@ -326,6 +283,11 @@ class Model:
 def memory(device: Memory) -> ModuleType:
     """The spec module whose transitions apply to a device: the prefix cache's or the plain manager's."""
     return prefix_cache if isinstance(device, CachingManager) else block_manager
+
+
+def mover(device: Memory) -> ModuleType:
+    """The spec module whose ``move_sequences`` swaps a device's groups out or in (``kvspec.spec.swap``)."""
+    return prefix_cache if isinstance(device, CachingManager) else swap
 
 
 def tables_of(device: Memory) -> Manager:
@@ -360,36 +322,10 @@ def abstract(model: Model) -> SchedulerState:
     )
 
 
-def arrive(model: Model, request: Request) -> Model:
-    request = check_request(request, model.arrived)
-    check_fits_alone(request, tables_of(model.gpu).pool.capacity, tables_of(model.gpu).block_size)
-    group = Group(request=request, arrival=len(model.arrived), ready=request.ready, remote=request.remote_prompt)
-    return attrs.evolve(model, arrived=model.arrived + (request.request_id,), groups=model.groups + (group,))
-
-
 def abort(model: Model, request_id: RequestId) -> Model:
     """Drop the request; a landing zone stays with its load (``kvspec.spec.kv_transfer``)."""
     group = find(model, request_id)
     return relocate(model if group.location == "loading" else release(model, group), group, "abort")
-
-
-def mark_ready(model: Model, request_id: RequestId) -> Model:
-    group = find(model, request_id)
-    if group.location == "loading":
-        raise InvalidOperation(f"request {request_id!r} waits on its KV load: the load's end makes it ready")
-    if group.ready:
-        raise InvalidOperation(f"request {request_id!r} is ready already")
-    return replace(model, attrs.evolve(group, ready=True))
-
-
-def step(model: Model) -> tuple[Model, StepReport]:
-    """One iteration: the decode phase (``kvspec.spec.preemption``), then the admission phase
-    (``kvspec.spec.admission``)."""
-    from kvspec.spec import admission, preemption  # the phases are written over this module's records
-
-    model, report = preemption.decode_phase(model)
-    model, report = admission.admission_phase(model, report)
-    return attrs.evolve(model, steps=model.steps + 1), report
 
 
 def find(model: Model, request_id: RequestId) -> Group:

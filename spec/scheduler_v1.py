@@ -2,7 +2,7 @@
 
 Rules (vLLM v1 ``Scheduler.schedule`` and ``update_from_output``).  The records ``Request``,
 ``sampled_token`` and ``rank`` are ``kvspec.spec.scheduler``'s; the shape replaces the layer's
-step (``kvspec.spec.scheduler.step``: the decode phase of ``kvspec.spec.preemption``, the admission
+step (``kvspec.spec.admission.step``: the decode phase of ``kvspec.spec.preemption``, the admission
 phase of ``kvspec.spec.admission``) with
 ``kvspec.spec.scheduler_v1_model.step``, and keeps the layer's safety rules over memory and
 preemption, checked through ``as_layer``:
@@ -72,7 +72,7 @@ import attrs
 from kvspec.spec import scheduler
 from kvspec.spec.block_manager import ManagerState, SeqId, blocks_for
 from kvspec.spec.block_pool import PoolState
-from kvspec.spec.components import component_kind
+from kvspec.spec.components import component_kind, optional_operation
 from kvspec.spec.errors import InvalidOperation, RequestTooLarge
 from kvspec.spec.invariants import invariant, refinement
 from kvspec.spec.scheduler import QueuePolicy, Request, RequestId, sampled_token
@@ -148,12 +148,14 @@ class BudgetScheduler(Protocol):
     def snapshot(self) -> BudgetState: ...
 
 
+class PriorityBudgetScheduler(BudgetScheduler, Protocol):
+    """A mode: run with ``config.policy == "priority"``, victims and the waiting queue go by rank."""
+
+
 TOKEN_BUDGET_SCHEDULER = component_kind(
-    "token_budget_scheduler",
-    BudgetScheduler,
-    builds="token_budget_scheduler(manager, config)",
-    optional={"priority": ()},  # config.policy == "priority": victims and the waiting queue by rank
+    "token_budget_scheduler", BudgetScheduler, builds="token_budget_scheduler(manager, config)"
 )
+PRIORITY = optional_operation("priority", PriorityBudgetScheduler, kinds=(TOKEN_BUDGET_SCHEDULER.name,))
 
 
 # -- what the model and implementations share -------------------------------------

@@ -7,7 +7,7 @@ returning a new ``Model`` (``step`` with its ``BudgetReport``), and a machine co
 through its passes -- the running pass (``_serve_running``, preempting through ``_allocate``), the
 waiting pass (``_admit_waiting``) and the forward (``_forward``) -- each returning a new one.  The
 rules it follows are ``kvspec.spec.scheduler_v1``'s; what it replaces of the layer's model
-(``kvspec.spec.scheduler.step`` and its phases) is all of the step: there is no decode phase
+(``kvspec.spec.admission.step`` and its phases) is all of the step: there is no decode phase
 apart from prefill, and no swap.  A trial admission of all of a request's tokens
 (``reserve_full_sequence``) is a transition whose result is dropped: the model changes only by
 what it keeps.
@@ -20,9 +20,10 @@ from collections.abc import Mapping
 import attrs
 
 from kvspec.spec import prefix_cache
+from kvspec.spec.admission import check_request
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.prefix_cache import CachingManager, max_hit_blocks
-from kvspec.spec.scheduler import Request, RequestId, check_request, rank
+from kvspec.spec.scheduler import Request, RequestId, rank
 from kvspec.spec.scheduler_v1 import (
     BudgetConfig,
     BudgetReport,

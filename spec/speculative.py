@@ -58,11 +58,10 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from kvspec.spec import block_pool
-from kvspec.spec.block_manager import BlockManager, Manager, ManagerState, SeqId, blocks_for, require_live
+from kvspec.spec.block_manager import MANAGERS, BlockManager, Manager, ManagerState, SeqId, blocks_for, require_live
+from kvspec.spec.components import optional_operation
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant
-
-NEEDS = ("block_manager.rollback", "prefix_caching_manager.rollback")
 
 
 @runtime_checkable
@@ -70,6 +69,9 @@ class SpeculativeBlockManager(BlockManager, Protocol):
     """A block manager that offers ``rollback``: the rejected draft tokens go."""
 
     def rollback(self, seq: SeqId, n: int) -> None: ...
+
+
+ROLLBACK = optional_operation("rollback", SpeculativeBlockManager, "rollback", kinds=MANAGERS)
 
 
 def check_rollback(seq: SeqId, n: object, length: int) -> int:
@@ -111,7 +113,7 @@ def written_blocks(before: ManagerState, after: ManagerState) -> list[int]:
     "the tokens a rollback keeps are the ones verified: moved, cut short or overwritten, the sequence decodes "
     "from KV it never had",
     "safety",
-    needs=NEEDS,
+    needs=(ROLLBACK,),
 )
 def invariant_rollback_keeps_prefix(before: ManagerState, after: ManagerState, seq: SeqId, n: int) -> str | None:
     tokens, table = before.tokens[seq], before.tables[seq]
@@ -131,7 +133,7 @@ def invariant_rollback_keeps_prefix(before: ManagerState, after: ManagerState, s
     "a block another table holds, or one a later prompt hits by its hash, holds their KV: writing a token into it "
     "hands them this sequence's",
     "safety",
-    needs=NEEDS,
+    needs=(ROLLBACK,),
 )
 def invariant_no_write_into_cached_or_shared_block(before: ManagerState, after: ManagerState) -> str | None:
     """Over the states around one write; a block whose hash the write dropped (unregistered first) may change."""

@@ -49,7 +49,8 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from kvspec.spec import block_pool, kv_store
-from kvspec.spec.block_manager import BlockManager, Manager, ManagerState, SeqId, require_live
+from kvspec.spec.block_manager import MANAGERS, BlockManager, Manager, ManagerState, SeqId, require_live
+from kvspec.spec.components import optional_operation
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant
 
@@ -64,6 +65,9 @@ class TieredBlockManager(BlockManager, Protocol):
     def swap_in(
         self, store: kv_store.KVStore, node: int, tier_block_size: int, seq: SeqId, keys: Sequence[kv_store.Key]
     ) -> TierLoad: ...
+
+
+TIERED_SWAP_IN = optional_operation("tiered_swap_in", TieredBlockManager, "truncate", "swap_in", kinds=MANAGERS)
 
 
 def tier_blocks(
@@ -159,7 +163,7 @@ def swap_in(
 @invariant(
     "a partial swap-in writes only after the resident prefix: a load over it overwrites KV the device still serves",
     "safety",
-    needs=("block_manager.tiered_swap_in",),
+    needs=(TIERED_SWAP_IN,),
 )
 def invariant_load_lands_after_resident_prefix(before: ManagerState, after: ManagerState, seq: SeqId) -> str | None:
     resident = before.tables[seq]
@@ -175,7 +179,7 @@ def invariant_load_lands_after_resident_prefix(before: ManagerState, after: Mana
 @invariant(
     "a device block is one B-token slice of the one tier block that holds it: any other slice is other tokens' KV",
     "safety",
-    needs=("block_manager.tiered_swap_in",),
+    needs=(TIERED_SWAP_IN,),
 )
 def invariant_tier_blocks_cover_loaded_blocks(
     plan: TierLoad, resident: int, table: Sequence[int], keys: Sequence[kv_store.Key], factor: int, block_size: int
@@ -196,7 +200,7 @@ def invariant_tier_blocks_cover_loaded_blocks(
 @invariant(
     "a sequence swapped out in part and loaded back must read what it held, or it decodes from other tokens' KV",
     "safety",
-    needs=("block_manager.tiered_swap_in",),
+    needs=(TIERED_SWAP_IN,),
 )
 def invariant_swap_round_trip_exact(seq: SeqId, held: Sequence[int], read: Sequence[int]) -> str | None:
     if tuple(held) != tuple(read):

@@ -13,24 +13,20 @@ it): those components, each offering every optional operation of its kind
 the reference.  Its claims pair each invariant the member breaks with a
 machine's title in ``kvspec.properties.suite``: that machine,
 checking the invariant alone, must find the violation.  One meta-test
-(``properties/meta/test_zoo.py``) runs every claim of every module here.  A
-factory function may declare its claims with ``@caught_by(invariant,
-machine)`` instead (stackable).
+(``properties/meta/test_zoo.py``) runs every claim of every module here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 import attrs
 
 from kvspec.spec.components import Offer, every_operation
 from kvspec.spec.conventions import REFERENCE, Conventions
-from kvspec.spec.implementation import Implementation
+from kvspec.spec.implementation import Implementation, declared_kinds
 from kvspec.spec.invariants import Invariant
-
-Factory = TypeVar("Factory", bound=Callable[[], Implementation])
 
 
 @attrs.frozen
@@ -59,9 +55,13 @@ def member(
     caught_by: Iterable[tuple[Invariant, str]] = (),
     **components: Callable[..., Any] | None,
 ) -> Member:
-    """A broken implementation: ``components`` (None: the reference's), each offering every optional operation."""
+    """A broken implementation: ``components`` (None: the reference's), each offering every optional operation;
+    a component of a kind ``Implementation`` has no field for is one of its ``extensions``."""
     offers: dict[str, Any] = {kind: Offer(f, every_operation(kind)) for kind, f in components.items() if f is not None}
-    return Member(name=name, conventions=conventions, caught_by=caught_by, **offers)
+    kvspec_kinds = declared_kinds()
+    fields = {kind: offer for kind, offer in offers.items() if kind in kvspec_kinds}
+    extensions = {kind: offer for kind, offer in offers.items() if kind not in fields}
+    return Member(name=name, conventions=conventions, caught_by=caught_by, extensions=extensions, **fields)
 
 
 def members(kind: str, machine: str, **shared: Callable[..., Any]) -> Callable[..., Member]:
@@ -78,15 +78,5 @@ def members(kind: str, machine: str, **shared: Callable[..., Any]) -> Callable[.
     ) -> Member:
         claims = [*((rule, machine) for rule in rules), *also]
         return member(f"broken: {name}", conventions, caught_by=claims, **shared, **{kind: component})
-
-    return declare
-
-
-def caught_by(invariant: Invariant, machine: str) -> Callable[[Factory], Factory]:
-    """Declare a claim on a factory function (a member declared by ``member(..., caught_by=...)`` needs none)."""
-
-    def declare(factory: Factory) -> Factory:
-        factory.caught_by = (Catch(invariant, machine), *getattr(factory, "caught_by", ()))  # type: ignore[attr-defined]
-        return factory
 
     return declare

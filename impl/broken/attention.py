@@ -32,10 +32,7 @@ cow_skips_kv_copy = cache(
     "copy-on-write skips the KV copy",
     CopyOnWriteSkipsKV,
     invariant_paged_equals_contiguous,
-    also=[
-        (invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute"),
-        (invariant_paged_equals_contiguous, "scheduler: paged = contiguous logits"),
-    ],
+    also=[(invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute")],
 )
 
 
@@ -93,8 +90,5 @@ class SwapPairsSortedBlocks(PagedKVCache):
 swap_pairs_sorted_blocks = cache(
     "swap pairs sorted source and destination blocks",
     SwapPairsSortedBlocks,
-    also=[
-        (invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute"),
-        (invariant_paged_equals_contiguous, "scheduler: paged = contiguous logits"),
-    ],
+    also=[(invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute")],
 )

@@ -10,26 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import attrs
-
-from kvspec.impl.broken import member
+from kvspec.impl.broken import members
 from kvspec.impl.hierarchical_radix import HierarchicalRadixCache, Node, Slots
 from kvspec.spec import hierarchical_radix as spec
 from kvspec.spec.block_manager import check_tokens
-from kvspec.spec.components import Offer, every_operation
-from kvspec.spec.implementation import Implementation
-from kvspec.spec.invariants import Invariant
 
-MACHINE = "hierarchical radix cache (HiCache)"
-KIND = spec.HIERARCHICAL_RADIX_CACHE.name
-
-
-def hicache(name: str, cache: type[HierarchicalRadixCache], *rules: Invariant) -> Implementation:
-    """The member ``broken: name`` whose hierarchical radix cache is ``cache``, caught in the machine by each rule."""
-    claims = [(rule, MACHINE) for rule in rules]
-    return attrs.evolve(
-        member(f"broken: {name}", caught_by=claims), extensions={KIND: Offer(cache, every_operation(KIND))}
-    )
+# A member: its hierarchical radix cache, and the rules that catch it there.
+hicache = members(spec.HIERARCHICAL_RADIX_CACHE.name, "hierarchical radix cache (HiCache)")
 
 
 class EvictsWhileWriting(HierarchicalRadixCache):

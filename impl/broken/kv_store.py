@@ -1,8 +1,8 @@
 """Broken tiered stores: each breaks one rule of ``kvspec.spec.kv_store`` and must be caught.
 
-Every factory returns an ``Implementation`` whose store is a one-method
-subclass of the reference -- built, for the bugs of a convention's mechanism
-(pending stores, read leases), under the profile it declares -- and names the
+Every member is an ``Implementation`` whose store is a one-method subclass
+of the reference -- built, for the bugs of a convention's mechanism (pending
+stores, read leases), under the profile it declares -- and names the
 invariant that catches it; ``properties/meta/test_zoo.py`` runs each.  The
 members named "a legal choice" make a choice kvspec does not model (or one they
 do not declare): a convention rule finds them, and no safety rule may
@@ -16,7 +16,7 @@ from collections.abc import Hashable, Sequence
 
 import attrs
 
-from kvspec.impl.broken import caught_by, member
+from kvspec.impl.broken import members
 from kvspec.impl.kv_store import Block, KVStore, Node
 from kvspec.spec import invariants
 from kvspec.spec import kv_store as store_spec
@@ -24,11 +24,27 @@ from kvspec.spec import kv_store_placement as placement_spec
 from kvspec.spec.conventions import Conventions, StoreConventions
 from kvspec.spec.errors import OutOfBlocks
 from kvspec.spec.implementation import Implementation
+from kvspec.spec.invariants import Invariant
 from kvspec.spec.kv_store import TIERS, Tokens
 
 PENDING = StoreConventions(stores="pending")
 LEASES = StoreConventions(read_lease=60.0)
 BACKGROUND = StoreConventions(eviction="background")
+ONE_ARC_TIER = StoreConventions(tiers=("cpu",), policies=("arc",))  # where refusals are common
+
+declare = members("kv_store", "tiered KV store (node faults)")  # a member: its store, and the rules that catch it
+
+
+def store(
+    name: str, component: type[KVStore], *rules: Invariant, built_under: StoreConventions | None = None
+) -> Implementation:
+    """The member ``broken: name`` whose store is ``component``, caught by each of ``rules``; built, when
+    ``built_under`` is given, under those conventions (which it declares) whatever the member is declared to do
+    (a safety bug shows whatever is declared)."""
+    if built_under is None:
+        return declare(name, component, *rules)
+    built = functools.partial(component, conventions=built_under)
+    return declare(name, built, *rules, conventions=Conventions(store=built_under))
 
 
 class DemotionDropsTheBlock(KVStore):
@@ -42,6 +58,11 @@ class DemotionDropsTheBlock(KVStore):
         return victim
 
 
+demotion_drops_the_block = store(
+    "demotion drops the block", DemotionDropsTheBlock, store_spec.invariant_demotion_keeps_the_block
+)
+
+
 class EvictsPinnedBlocks(KVStore):
     """Victims are taken in policy order whether a transfer has them pinned or not."""
 
@@ -49,11 +70,19 @@ class EvictsPinnedBlocks(KVStore):
         return next(iter(self._order(node, tier, target)), None)
 
 
+evicts_pinned_blocks = store("evicts pinned blocks", EvictsPinnedBlocks, store_spec.invariant_pinned_never_evicted)
+
+
 class StaleReplicaAfterReput(KVStore):
     """A re-put rewrites only the writer's copy; other nodes keep the old tokens."""
 
     def _write_replicas(self, writer: int, replicas: list[tuple[int, Block]], contents: Tokens) -> None:
         super()._write_replicas(writer, [(n, block) for n, block in replicas if n == writer], contents)
+
+
+stale_replica_after_reput = store(
+    "stale replica after re-put", StaleReplicaAfterReput, store_spec.invariant_replicas_agree
+)
 
 
 class CapacityPerNode(KVStore):
@@ -68,6 +97,9 @@ class CapacityPerNode(KVStore):
         return [(victim, len(TIERS) - 1)]
 
 
+capacity_per_node = store("capacity counted per node", CapacityPerNode, store_spec.invariant_tier_capacity)
+
+
 class LookupNamesDeadNode(KVStore):
     """A node fault silences the node but leaves its directory entries behind."""
 
@@ -77,6 +109,11 @@ class LookupNamesDeadNode(KVStore):
 
     def _tier_of(self, node: int, key: Hashable) -> int:
         return (self._nodes[node] or self._ghosts[node]).blocks[key].tier
+
+
+lookup_names_dead_node = store(
+    "lookups keep naming a failed node", LookupNamesDeadNode, store_spec.invariant_lookup_names_live_holders
+)
 
 
 class DirectoryMissesDemotions(KVStore):
@@ -97,6 +134,11 @@ class DirectoryMissesDemotions(KVStore):
         return self._placed[(node, key)]
 
 
+directory_misses_demotions = store(
+    "the directory misses demotions", DirectoryMissesDemotions, store_spec.invariant_directory_exact
+)
+
+
 class FaultDropsTheDeadNodesKeys(KVStore):
     """A node fault removes the directory entries of every key the node held -- and with them the
     surviving replicas, as if a key lived on one node only."""
@@ -107,6 +149,13 @@ class FaultDropsTheDeadNodesKeys(KVStore):
             for holder in sorted(self._directory.get(key, ())):
                 self._drop(holder, self._node(holder), key)
         self._nodes[node] = None
+
+
+fault_drops_the_dead_nodes_keys = store(
+    "a fault drops every replica of the dead node's keys",
+    FaultDropsTheDeadNodesKeys,
+    store_spec.invariant_fault_loses_only_the_node,
+)
 
 
 class PromotesStaleBackingCopy(KVStore):
@@ -130,6 +179,11 @@ class PromotesStaleBackingCopy(KVStore):
         self._backing.pop((index, key), None)
 
 
+promotes_stale_backing_copy = store(
+    "promotion reloads a stale backing copy", PromotesStaleBackingCopy, store_spec.invariant_get_returns_put
+)
+
+
 class ReadsTheSwappedBuffer(KVStore):
     """A promoting ``get`` swaps the copy with the GPU tier's victim, then answers from the buffer the
     copy was read from -- which the swap has just filled with the demoted victim."""
@@ -143,6 +197,14 @@ class ReadsTheSwappedBuffer(KVStore):
         tokens = super().get(node, key)
         swapped = sorted(gpu - set(here.tiers[0]), key=repr)
         return here.blocks[swapped[0]].tokens if swapped and swapped[0] in here.blocks else tokens
+
+
+reads_the_swapped_buffer = store(
+    "a promoting get reads the buffer it swapped out",
+    ReadsTheSwappedBuffer,
+    store_spec.invariant_request_reads_its_tokens,
+    store_spec.invariant_get_returns_put,
+)
 
 
 class GetIsNotAUse(KVStore):
@@ -159,12 +221,23 @@ class GetIsNotAUse(KVStore):
         return block.tokens
 
 
+get_is_not_a_use = store("a get is not counted as a use", GetIsNotAUse, store_spec.invariant_store_refines_spec)
+
+
 class ReadsPendingStores(KVStore):
     """A hit on a copy still being stored reads its buffer as if the transfer had landed."""
 
     def get(self, node: int, key: Hashable) -> Tokens | None:
         block = self._node(node).blocks.get(key)
         return block.tokens if block is not None and not block.ready else super().get(node, key)
+
+
+reads_pending_stores = store(
+    "a hit reads a copy still being stored",
+    ReadsPendingStores,
+    store_spec.invariant_pending_never_read,
+    built_under=PENDING,
+)
 
 
 class KeepsFailedStores(KVStore):
@@ -174,11 +247,21 @@ class KeepsFailedStores(KVStore):
         super().complete(node, key, True)
 
 
+keeps_failed_stores = store(
+    "a failed store is kept", KeepsFailedStores, store_spec.invariant_failed_store_leaves_miss, built_under=PENDING
+)
+
+
 class EvictsLeasedCopies(KVStore):
     """Read leases are granted but eviction only skips pinned and pending copies."""
 
     def _free(self, block: Block) -> bool:
         return block.ready and not block.pins
+
+
+evicts_leased_copies = store(
+    "eviction ignores read leases", EvictsLeasedCopies, store_spec.invariant_pinned_never_evicted, built_under=LEASES
+)
 
 
 class ForcedRemoveDropsCopiesInUse(KVStore):
@@ -189,11 +272,21 @@ class ForcedRemoveDropsCopiesInUse(KVStore):
         self._drop(node, self._node(node), key)
 
 
+forced_remove_drops_copies_in_use = store(
+    "a forced remove drops a copy in use",
+    ForcedRemoveDropsCopiesInUse,
+    invariants.invariant_out_of_contract_call_rejected,
+)
+
+
 class ArcForgetsGhosts(KVStore):
     """ARC without its ghost lists: a victim leaves no trace, so a key coming back never adapts the target."""
 
     def _leave(self, node: Node, tier: int, key: Hashable) -> None:
         pass
+
+
+arc_forgets_ghosts = store("ARC keeps no ghosts", ArcForgetsGhosts, store_spec.invariant_store_refines_spec)
 
 
 class ReplicaTwiceOnTheWriter(KVStore):
@@ -205,6 +298,13 @@ class ReplicaTwiceOnTheWriter(KVStore):
 
     def _replica_targets(self, ring: list[int], factor: int) -> list[int]:
         return ring[: factor - 1]
+
+
+replica_twice_on_the_writer = store(
+    "a replicated put places two replicas on the writer",
+    ReplicaTwiceOnTheWriter,
+    placement_spec.invariant_replicas_on_distinct_nodes,
+)
 
 
 class Draining(KVStore):
@@ -249,6 +349,14 @@ class LastTierDrainedInArrivalOrder(Draining):
         return next((key for key in queue if self._free(node.blocks[key])), None)
 
 
+last_tier_drained_in_arrival_order = store(
+    "the background evictor drains the last tier in arrival order",
+    LastTierDrainedInArrivalOrder,
+    placement_spec.invariant_tier_eviction_order,
+    built_under=BACKGROUND,
+)
+
+
 class BatchEvictionTakesCopiesInUse(Draining):
     """The background evictor's batch walks each tier in policy order and takes the first copies it meets,
     forgetting to skip those in use: vLLM's CPU offloading manager (``LRUOffloadingManager.prepare_store``)
@@ -257,6 +365,14 @@ class BatchEvictionTakesCopiesInUse(Draining):
 
     def _free(self, block: Block) -> bool:
         return self.draining or super()._free(block)
+
+
+batch_eviction_takes_copies_in_use = store(
+    "batched eviction takes copies in use",
+    BatchEvictionTakesCopiesInUse,
+    store_spec.invariant_pinned_never_evicted,
+    built_under=BACKGROUND,
+)
 
 
 class FullTierPutTakesACopyInUse(KVStore):
@@ -280,6 +396,13 @@ class FullTierPutTakesACopyInUse(KVStore):
         return chosen
 
 
+full_tier_put_takes_a_copy_in_use = store(
+    "a put into a tier of copies in use takes one",
+    FullTierPutTakesACopyInUse,
+    store_spec.invariant_pinned_never_evicted,
+)
+
+
 class RefusedPutHasDroppedACopy(KVStore):
     """Declares that a refused put may adapt its policy (``refusal_adapts_policy``), and makes room from the bottom
     up: it frees a slot at the deepest tier that can give one up, dropping that tier's victim, before it looks
@@ -301,6 +424,14 @@ class RefusedPutHasDroppedACopy(KVStore):
             raise
 
 
+refused_put_has_dropped_a_copy = store(
+    "a refused put has dropped a copy",
+    RefusedPutHasDroppedACopy,
+    invariants.invariant_failed_operation_changes_nothing,
+    built_under=StoreConventions(refusal_adapts_policy=True),
+)
+
+
 class DemotedCopyArrivesNewest(KVStore):
     """A legal choice kvspec does not model: a copy moved down a tier arrives there as its most recently used
     (LMCache's disk backend ranks a chunk written to it on eviction from DRAM as a new put).  The spec counts
@@ -312,142 +443,27 @@ class DemotedCopyArrivesNewest(KVStore):
         super()._move(node, key, tier)
 
 
-def _with_store(name: str, store: type[KVStore], conventions: StoreConventions | None = None) -> Implementation:
-    """A member whose store is ``store``; built, when ``conventions`` are given, under them whatever the member
-    is declared to do (a safety bug shows whatever is declared)."""
-    if conventions is None:
-        return member(name, kv_store=store)
-    return member(name, Conventions(store=conventions), kv_store=functools.partial(store, conventions=conventions))
+demoted_copy_arrives_newest = store(
+    "a legal choice: a demoted copy arrives as its tier's newest",
+    DemotedCopyArrivesNewest,
+    placement_spec.invariant_tier_eviction_order,
+)
 
 
-@caught_by(store_spec.invariant_demotion_keeps_the_block, "tiered KV store (node faults)")
-def demotion_drops_the_block() -> Implementation:
-    return _with_store("broken: demotion drops the block", DemotionDropsTheBlock)
+# Declares background eviction, but makes room the moment a put needs it.
+evicts_on_the_put_path = declare(
+    "declared background eviction, evicts on the put path",
+    KVStore,
+    invariants.invariant_verdict_matches_spec,
+    conventions=Conventions(store=BACKGROUND),
+)
 
-
-@caught_by(store_spec.invariant_pinned_never_evicted, "tiered KV store (node faults)")
-def evicts_pinned_blocks() -> Implementation:
-    return _with_store("broken: evicts pinned blocks", EvictsPinnedBlocks)
-
-
-@caught_by(store_spec.invariant_replicas_agree, "tiered KV store (node faults)")
-def stale_replica_after_reput() -> Implementation:
-    return _with_store("broken: stale replica after re-put", StaleReplicaAfterReput)
-
-
-@caught_by(store_spec.invariant_tier_capacity, "tiered KV store (node faults)")
-def capacity_per_node() -> Implementation:
-    return _with_store("broken: capacity counted per node", CapacityPerNode)
-
-
-@caught_by(store_spec.invariant_lookup_names_live_holders, "tiered KV store (node faults)")
-def lookup_names_dead_node() -> Implementation:
-    return _with_store("broken: lookups keep naming a failed node", LookupNamesDeadNode)
-
-
-@caught_by(store_spec.invariant_directory_exact, "tiered KV store (node faults)")
-def directory_misses_demotions() -> Implementation:
-    return _with_store("broken: the directory misses demotions", DirectoryMissesDemotions)
-
-
-@caught_by(store_spec.invariant_fault_loses_only_the_node, "tiered KV store (node faults)")
-def fault_drops_the_dead_nodes_keys() -> Implementation:
-    return _with_store("broken: a fault drops every replica of the dead node's keys", FaultDropsTheDeadNodesKeys)
-
-
-@caught_by(store_spec.invariant_get_returns_put, "tiered KV store (node faults)")
-def promotes_stale_backing_copy() -> Implementation:
-    return _with_store("broken: promotion reloads a stale backing copy", PromotesStaleBackingCopy)
-
-
-@caught_by(store_spec.invariant_request_reads_its_tokens, "tiered KV store (node faults)")
-@caught_by(store_spec.invariant_get_returns_put, "tiered KV store (node faults)")
-def reads_the_swapped_buffer() -> Implementation:
-    return _with_store("broken: a promoting get reads the buffer it swapped out", ReadsTheSwappedBuffer)
-
-
-@caught_by(store_spec.invariant_store_refines_spec, "tiered KV store (node faults)")
-def get_is_not_a_use() -> Implementation:
-    return _with_store("broken: a get is not counted as a use", GetIsNotAUse)
-
-
-@caught_by(store_spec.invariant_pending_never_read, "tiered KV store (node faults)")
-def reads_pending_stores() -> Implementation:
-    return _with_store("broken: a hit reads a copy still being stored", ReadsPendingStores, PENDING)
-
-
-@caught_by(store_spec.invariant_failed_store_leaves_miss, "tiered KV store (node faults)")
-def keeps_failed_stores() -> Implementation:
-    return _with_store("broken: a failed store is kept", KeepsFailedStores, PENDING)
-
-
-@caught_by(store_spec.invariant_pinned_never_evicted, "tiered KV store (node faults)")
-def evicts_leased_copies() -> Implementation:
-    return _with_store("broken: eviction ignores read leases", EvictsLeasedCopies, LEASES)
-
-
-@caught_by(invariants.invariant_out_of_contract_call_rejected, "tiered KV store (node faults)")
-def forced_remove_drops_copies_in_use() -> Implementation:
-    return _with_store("broken: a forced remove drops a copy in use", ForcedRemoveDropsCopiesInUse)
-
-
-@caught_by(store_spec.invariant_store_refines_spec, "tiered KV store (node faults)")
-def arc_forgets_ghosts() -> Implementation:
-    return _with_store("broken: ARC keeps no ghosts", ArcForgetsGhosts)
-
-
-@caught_by(invariants.invariant_verdict_matches_spec, "tiered KV store (node faults)")
-def evicts_on_the_put_path() -> Implementation:
-    """Declares background eviction, but makes room the moment a put needs it."""
-    return member(
-        "broken: declared background eviction, evicts on the put path", Conventions(store=BACKGROUND), kv_store=KVStore
-    )
-
-
-@caught_by(placement_spec.invariant_replicas_on_distinct_nodes, "tiered KV store (node faults)")
-def replica_twice_on_the_writer() -> Implementation:
-    return _with_store("broken: a replicated put places two replicas on the writer", ReplicaTwiceOnTheWriter)
-
-
-@caught_by(placement_spec.invariant_tier_eviction_order, "tiered KV store (node faults)")
-def last_tier_drained_in_arrival_order() -> Implementation:
-    return _with_store(
-        "broken: the background evictor drains the last tier in arrival order",
-        LastTierDrainedInArrivalOrder,
-        BACKGROUND,
-    )
-
-
-@caught_by(store_spec.invariant_pinned_never_evicted, "tiered KV store (node faults)")
-def batch_eviction_takes_copies_in_use() -> Implementation:
-    return _with_store("broken: batched eviction takes copies in use", BatchEvictionTakesCopiesInUse, BACKGROUND)
-
-
-@caught_by(store_spec.invariant_pinned_never_evicted, "tiered KV store (node faults)")
-def full_tier_put_takes_a_copy_in_use() -> Implementation:
-    return _with_store("broken: a put into a tier of copies in use takes one", FullTierPutTakesACopyInUse)
-
-
-@caught_by(invariants.invariant_failed_operation_changes_nothing, "tiered KV store (node faults)")
-def refused_put_has_dropped_a_copy() -> Implementation:
-    declared = StoreConventions(refusal_adapts_policy=True)
-    return _with_store("broken: a refused put has dropped a copy", RefusedPutHasDroppedACopy, declared)
-
-
-@caught_by(store_spec.invariant_store_refines_spec, "tiered KV store (node faults)")
-def adapts_on_a_refused_put() -> Implementation:
-    """A legal choice, undeclared: a put refused for want of room still adapts an ARC tier to its key's ghost, as
-    vLLM's CPU offloading does (``refusal_adapts_policy``, not declared here).  Only the policy's target moves, so
-    the refinement finds it (a convention finding) and no safety rule does."""
-    declared = StoreConventions(tiers=("cpu",), policies=("arc",))  # one ARC tier, where refusals are common
-    built = functools.partial(KVStore, conventions=attrs.evolve(declared, refusal_adapts_policy=True))
-    return member(
-        "broken: a legal choice, undeclared: a refused put adapts ARC's target",
-        Conventions(store=declared),
-        kv_store=built,
-    )
-
-
-@caught_by(placement_spec.invariant_tier_eviction_order, "tiered KV store (node faults)")
-def demoted_copy_arrives_newest() -> Implementation:
-    return _with_store("broken: a legal choice: a demoted copy arrives as its tier's newest", DemotedCopyArrivesNewest)
+# A legal choice, undeclared: a put refused for want of room still adapts an ARC tier to its key's ghost, as vLLM's
+# CPU offloading does (``refusal_adapts_policy``, not declared here).  Only the policy's target moves, so the
+# refinement finds it (a convention finding) and no safety rule does.
+adapts_on_a_refused_put = declare(
+    "a legal choice, undeclared: a refused put adapts ARC's target",
+    functools.partial(KVStore, conventions=attrs.evolve(ONE_ARC_TIER, refusal_adapts_policy=True)),
+    store_spec.invariant_store_refines_spec,
+    conventions=Conventions(store=ONE_ARC_TIER),
+)

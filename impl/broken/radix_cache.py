@@ -1,8 +1,8 @@
 """Broken radix caches: each breaks a rule of ``kvspec.spec.radix_cache`` and declares what catches it.
 
 Every member is an ``Implementation`` whose radix cache is a small
-subclass of the reference.  ``WholeLeaves``, ``PerNodeRecency`` and
-``LockByHandle`` honour SGLang's conventions (declared, so the model follows
+subclass of the reference.  ``PerNodeRecency`` and ``LockByHandle``
+honour SGLang's conventions (declared, so the model follows
 them); the members built on them then break a safety rule, which no
 convention excuses.  ``CachesPartialPages`` declares a page size of two
 tokens and ``IgnoresExtraKeys`` extra-key namespaces, and each breaks what
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvspec.impl.broken import members
@@ -163,13 +163,6 @@ class SplitsOnlyWhatItLocks(RadixCache):
         super().lock(key, extra_key)
 
 
-class WholeLeaves(SplitsOnlyWhatItLocks):
-    """SGLang's eviction: whole unlocked leaf nodes, least recently used first, until enough are gone."""
-
-    def evict(self, num_tokens: int) -> tuple[int, ...]:
-        return evict_leaves(self, num_tokens, whole=True, evictable=lambda node: not node.lock_ref)
-
-
 class WholeLeavesIgnoringLocks(RadixCache):
     """Whole leaves, chosen without looking at their locks."""
 
@@ -188,19 +181,22 @@ whole_leaves_ignoring_locks = radix(
 class PerNodeRecency(SplitsOnlyWhatItLocks):
     """SGLang's recency: a walk stamps each node it visits, whole, and only then splits the last one."""
 
-    def _stamp_visited(self, key: Sequence[int], extra_key: ExtraKey) -> None:
-        named, node, depth, now = (
-            self._named(check_tokens(key, allow_empty=True), extra_key),
-            self._root,
-            0,
-            next(self._clock),
-        )
+    def _entered(self, named: spec.Key) -> Iterator[tuple[int, Node]]:
+        """The nodes a walk of ``named`` enters, each with the depth it starts at, splitting none: a node is
+        entered when its first token is the next one, whether or not the rest of it matches."""
+        node, depth = self._root, 0
         while depth < len(named) and named[depth] in node.children:
             node = node.children[named[depth]]
+            yield depth, node
+            depth += len(node.key)
+
+    def _stamp_visited(self, key: Sequence[int], extra_key: ExtraKey) -> None:
+        named = self._named(check_tokens(key, allow_empty=True), extra_key)
+        node, now = self._root, next(self._clock)
+        for depth, node in self._entered(named):  # the last one entered (or the root) is pushed below
             node.last_use = now
             if named[depth : depth + len(node.key)] != node.key:
                 break  # the walk ends inside this node
-            depth += len(node.key)
         self._push_if_evictable(node)  # its tail, once split off, is a leaf stamped now
 
     def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
@@ -219,12 +215,7 @@ class PerNodeMatchReadsWholeNode(PerNodeRecency):
     def match_prefix(self, key: Sequence[int], extra_key: ExtraKey = None) -> tuple[int, ...]:
         self._stamp_visited(key, extra_key)
         named = self._named(check_tokens(key, allow_empty=True), extra_key)
-        node, depth, values = self._root, 0, list[int]()
-        while depth < len(named) and named[depth] in node.children:
-            node = node.children[named[depth]]
-            values += node.values
-            depth += len(node.key)
-        return tuple(values)
+        return tuple(value for _, node in self._entered(named) for value in node.values)
 
 
 per_node_match_reads_whole_node = radix(

@@ -15,10 +15,11 @@ from kvspec.impl.scheduler import Entry, Probe, Scheduler, Tally
 from kvspec.spec import admission, kv_transfer, preemption, sample_groups
 from kvspec.spec import scheduler as spec
 from kvspec.spec.admission import admissible
+from kvspec.spec.block_manager import BlockManager as ManagerProtocol
 from kvspec.spec.invariants import invariant_failed_operation_changes_nothing, invariant_out_of_contract_call_rejected
 from kvspec.spec.kv_transfer import Outcome
 from kvspec.spec.prefix_cache import max_hit_blocks
-from kvspec.spec.scheduler import Request
+from kvspec.spec.scheduler import Request, RequestId, SchedulerConfig
 
 # A member: its scheduler (over the reference's pool and manager), and the rules that catch it in that machine.
 MEMORY = {"block_pool": BlockPool, "block_manager": BlockManager}
@@ -201,12 +202,25 @@ not_ready_blocks_queue = cached(
 
 
 class NotReadyLosesPlace(Scheduler):
-    """Passes over a request that is not ready by putting it back at the end of the queue."""
+    """Passes over a request that is not ready by sending it to the back of the admission queue.
+
+    Only admission's order changes: the request keeps its arrival, and with it its rank as a victim (the
+    deadlock bound's), as an engine whose queue this is would.
+    """
+
+    def __init__(self, gpu: ManagerProtocol, cpu: ManagerProtocol, config: SchedulerConfig | None = None) -> None:
+        super().__init__(gpu, cpu, config)
+        self._sent_back: dict[RequestId, None] = {}  # in the order sent to the back
 
     def _admit_in_order(self, report: Tally) -> None:
         super()._admit_in_order(report)
         for rid in [rid for rid, group in self._groups.items() if not group.ready]:
-            self._groups[rid] = self._groups.pop(rid)
+            self._sent_back.pop(rid, None)
+            self._sent_back[rid] = None
+
+    def _admission_candidates(self) -> Iterable[Entry]:
+        place = {rid: position for position, rid in enumerate(self._sent_back)}
+        return sorted(super()._admission_candidates(), key=lambda group: place.get(group.request.request_id, -1))
 
 
 not_ready_loses_place = cached(

@@ -4,23 +4,16 @@ convention rule may catch it (``properties/meta/test_no_false_safety.py``)."""
 
 from __future__ import annotations
 
-from kvspec.impl.broken import caught_by
+from kvspec.impl.broken import members
 from kvspec.impl.scheduler_v1 import BudgetScheduler, Slot, Tally
 from kvspec.spec import preemption
 from kvspec.spec import scheduler_v1 as spec
-from kvspec.spec.components import Offer, every_operation
 from kvspec.spec.errors import OutOfBlocks
-from kvspec.spec.implementation import Implementation
 from kvspec.spec.prefix_cache import max_hit_blocks
 
-MACHINE = "token-budget scheduler (vLLM v1's shape)"
-PRIORITY_MACHINE = "token-budget scheduler (priority)"
 KIND = spec.TOKEN_BUDGET_SCHEDULER.name
-
-
-def v1_member(name: str, scheduler: type[BudgetScheduler]) -> Implementation:
-    """A broken implementation whose token-budget scheduler is ``scheduler``; the rest is the reference's."""
-    return Implementation(name=name, extensions={KIND: Offer(scheduler, every_operation(KIND))})
+token_budget = members(KIND, "token-budget scheduler (vLLM v1's shape)")  # a member: its scheduler, and what catches it
+priority = members(KIND, "token-budget scheduler (priority)")
 
 
 class ServesPastTheBudget(BudgetScheduler):
@@ -28,6 +21,11 @@ class ServesPastTheBudget(BudgetScheduler):
 
     def _share(self, slot: Slot, budget: int) -> int:
         return len(slot.tokens) - slot.computed
+
+
+serves_past_the_budget = token_budget(
+    "a running request is served past the budget", ServesPastTheBudget, spec.invariant_token_budget_kept
+)
 
 
 class KeepsComputedWhenPreempted(BudgetScheduler):
@@ -39,6 +37,11 @@ class KeepsComputedWhenPreempted(BudgetScheduler):
         victim.computed = computed
 
 
+keeps_computed_when_preempted = token_budget(
+    "a victim keeps its computed count", KeepsComputedWhenPreempted, spec.invariant_kv_holds_computed_tokens
+)
+
+
 class SendsVictimsToTheBack(BudgetScheduler):
     """Queues a victim behind every waiting request, as a plain FIFO would."""
 
@@ -46,11 +49,21 @@ class SendsVictimsToTheBack(BudgetScheduler):
         super()._enqueue(slot, front=False)
 
 
+sends_victims_to_the_back = token_budget(
+    "a victim rejoins the queue at its tail", SendsVictimsToTheBack, spec.invariant_queue_in_arrival_order
+)
+
+
 class AdmitsAfterPreempting(BudgetScheduler):
     """Admits waiting requests in a step that just preempted, into the memory the victims gave up."""
 
     def _may_admit(self, tally: Tally) -> bool:
         return True
+
+
+admits_after_preempting = token_budget(
+    "admits in a step that preempted", AdmitsAfterPreempting, spec.invariant_preemption_stops_admission
+)
 
 
 class NeverChunksAPrefill(BudgetScheduler):
@@ -61,11 +74,24 @@ class NeverChunksAPrefill(BudgetScheduler):
         return False
 
 
+never_chunks_a_prefill = token_budget(
+    "never chunks a prefill",
+    NeverChunksAPrefill,
+    preemption.invariant_finishes_within_bound,
+    spec.invariant_budget_scheduler_refines_spec,
+)
+
+
 class PreemptsTheOldest(BudgetScheduler):
     """Takes the first running request as the victim: the oldest gives way, and may never finish."""
 
     def _victim(self) -> Slot:
         return self._running[0]
+
+
+preempts_the_oldest = token_budget(
+    "preempts the oldest running request", PreemptsTheOldest, preemption.invariant_oldest_never_preempted
+)
 
 
 class NeverPreempts(BudgetScheduler):
@@ -78,6 +104,9 @@ class NeverPreempts(BudgetScheduler):
         except OutOfBlocks:
             return False
         return True
+
+
+never_preempts = token_budget("never preempts", NeverPreempts, preemption.invariant_finishes_within_bound)
 
 
 class BreaksPriorityTiesByCachedPrefix(BudgetScheduler):
@@ -98,44 +127,8 @@ class BreaksPriorityTiesByCachedPrefix(BudgetScheduler):
         return len(self._memory.cached_prefix(slot.tokens)[: max_hit_blocks(len(slot.tokens), size)])
 
 
-@caught_by(spec.invariant_token_budget_kept, MACHINE)
-def serves_past_the_budget() -> Implementation:
-    return v1_member("broken: a running request is served past the budget", ServesPastTheBudget)
-
-
-@caught_by(spec.invariant_kv_holds_computed_tokens, MACHINE)
-def keeps_computed_when_preempted() -> Implementation:
-    return v1_member("broken: a victim keeps its computed count", KeepsComputedWhenPreempted)
-
-
-@caught_by(spec.invariant_queue_in_arrival_order, MACHINE)
-def sends_victims_to_the_back() -> Implementation:
-    return v1_member("broken: a victim rejoins the queue at its tail", SendsVictimsToTheBack)
-
-
-@caught_by(spec.invariant_preemption_stops_admission, MACHINE)
-def admits_after_preempting() -> Implementation:
-    return v1_member("broken: admits in a step that preempted", AdmitsAfterPreempting)
-
-
-@caught_by(preemption.invariant_finishes_within_bound, MACHINE)
-@caught_by(spec.invariant_budget_scheduler_refines_spec, MACHINE)
-def never_chunks_a_prefill() -> Implementation:
-    return v1_member("broken: never chunks a prefill", NeverChunksAPrefill)
-
-
-@caught_by(preemption.invariant_oldest_never_preempted, MACHINE)
-def preempts_the_oldest() -> Implementation:
-    return v1_member("broken: preempts the oldest running request", PreemptsTheOldest)
-
-
-@caught_by(preemption.invariant_finishes_within_bound, MACHINE)
-def never_preempts() -> Implementation:
-    return v1_member("broken: never preempts", NeverPreempts)
-
-
-@caught_by(spec.invariant_budget_scheduler_refines_spec, PRIORITY_MACHINE)
-def breaks_priority_ties_by_cached_prefix() -> Implementation:
-    return v1_member(
-        "broken: a legal choice: priority ties broken by the longest cached prefix", BreaksPriorityTiesByCachedPrefix
-    )
+breaks_priority_ties_by_cached_prefix = priority(
+    "a legal choice: priority ties broken by the longest cached prefix",
+    BreaksPriorityTiesByCachedPrefix,
+    spec.invariant_budget_scheduler_refines_spec,
+)

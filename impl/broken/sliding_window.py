@@ -9,9 +9,17 @@ from kvspec.spec import sliding_window as spec
 from kvspec.spec.block_manager import blocks_for
 from kvspec.spec.conventions import Conventions
 from kvspec.spec.errors import OutOfBlocks
+from kvspec.spec.implementation import Implementation
+from kvspec.spec.invariants import Invariant
 from kvspec.spec.sliding_window import SeqId
 
-window = members("sliding_window_manager", "sliding-window tables")  # a member: its manager, and what catches it
+declare = members("sliding_window_manager", "sliding-window tables")
+
+
+def window(name: str, manager: type[SlidingWindowManager], *rules: Invariant) -> Implementation:
+    """The member ``broken: name`` whose manager is ``manager``, caught by each of ``rules``, declaring the window
+    choices its manager's class makes (the reference's, unless it subclasses another reference manager)."""
+    return declare(name, manager, *rules, conventions=Conventions(window=manager.conventions))
 
 
 class StaleEntryAfterSlide(SlidingWindowManager):
@@ -60,10 +68,7 @@ class RingOfWholeBlocksOnly(RingSlidingWindowManager):
 
 
 ring_of_whole_blocks_only = window(
-    "a ring of window // block size blocks",
-    RingOfWholeBlocksOnly,
-    spec.invariant_window_blocks_exact,
-    conventions=Conventions(window=RingSlidingWindowManager.conventions),
+    "a ring of window // block size blocks", RingOfWholeBlocksOnly, spec.invariant_window_blocks_exact
 )
 
 
@@ -77,10 +82,7 @@ class RoundsSkippedBlocksUp(NextTokenWindowManager):
 
 
 rounds_skipped_blocks_up = window(
-    "releases the block the next token's window starts in",
-    RoundsSkippedBlocksUp,
-    spec.invariant_window_blocks_exact,
-    conventions=Conventions(window=NextTokenWindowManager.conventions),
+    "releases the block the next token's window starts in", RoundsSkippedBlocksUp, spec.invariant_window_blocks_exact
 )
 
 
@@ -102,5 +104,4 @@ keeps_slid_out_through_refusal = window(
     "a legal choice: a refused append keeps what slid out",
     KeepsSlidOutThroughRefusal,
     spec.invariant_window_refines_spec,
-    conventions=Conventions(window=NextTokenWindowManager.conventions),
 )

@@ -72,7 +72,7 @@ from kvspec.spec.components import Offer
 from kvspec.spec.conventions import Conventions, StoreConventions, StorePolicy
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
-from kvspec.spec.kv_store import StoreState, Tokens
+from kvspec.spec.kv_store import REMOVE, StoreState, Tokens
 
 VERSION = "0.5.6"
 CONVENTIONS = Conventions(
@@ -349,5 +349,5 @@ def factory() -> Implementation:
     """LMCache's DRAM and disk backends under test as layer 7's store; every other layer is the reference's."""
     from lmcache.v1.storage_backend import local_disk_backend  # noqa: F401  (fail here when LMCache is missing)
 
-    store = Offer(LMCacheStore, operations={"remove"}, emulated={"put", "demote", "evict"})
+    store = Offer(LMCacheStore, operations={REMOVE}, emulated={"put", "demote", "evict"})
     return Implementation(name=f"LMCache {engine_version()} local CPU + disk", kv_store=store, conventions=CONVENTIONS)

@@ -58,6 +58,7 @@ from kvspec.spec.components import Offer
 from kvspec.spec.conventions import Conventions, PoolConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
+from kvspec.spec.swap import SWAP
 
 VERSION = "0.18.0"
 CONVENTIONS = Conventions(pool=PoolConventions(unhashed_free_position="head", policies=("lru",)))
@@ -329,7 +330,7 @@ def engine_version() -> str:
 def factory() -> Implementation:
     """LMDeploy's block manager under test, with swap; every other layer is the reference's, on top of it."""
     engine_modules()  # fail here, with the engine's ImportError, when LMDeploy is not installed
-    manager = Offer(LMDeployManager, operations={"swap"}, emulated={"add_sequence", "append"})
+    manager = Offer(LMDeployManager, operations={SWAP}, emulated={"add_sequence", "append"})
     return Implementation(
         name=f"LMDeploy {engine_version()} DefaultBlockManager", block_manager=manager, conventions=CONVENTIONS
     )

@@ -71,7 +71,7 @@ from kvspec.spec.components import Offer
 from kvspec.spec.conventions import Conventions, StoreConventions, StorePolicy
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
-from kvspec.spec.kv_store import StoreState, Tokens
+from kvspec.spec.kv_store import NODE_FAULTS, REMOVE, REPLICATE, SETTLE, StoreState, Tokens
 
 VERSION = "0.3.13.post1"
 LEASE_SECONDS = 600.0
@@ -443,7 +443,7 @@ def factory() -> Implementation:
 
     store = Offer(
         MooncakeStore,
-        operations={"replicate", "node_faults", "settle", "remove"},
+        operations={REPLICATE, NODE_FAULTS, SETTLE, REMOVE},
         emulated={"get", "pin", "unpin", "evict"},
     )
     return Implementation(name=f"Mooncake store {engine_version()}", kv_store=store, conventions=CONVENTIONS)

@@ -78,13 +78,13 @@ import types
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from kvspec.spec.block_manager import ManagerState, SeqId, WritePlan, blocks_for
+from kvspec.spec.block_manager import FORK, ManagerState, SeqId, WritePlan, blocks_for
 from kvspec.spec.block_pool import BlockPool, PoolState
 from kvspec.spec.components import Offer
 from kvspec.spec.conventions import Conventions, ManagerConventions, PoolConventions, WindowConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
-from kvspec.spec.prefix_cache import ExtraKey
+from kvspec.spec.prefix_cache import DEFERRED_COMMIT, ExtraKey
 from kvspec.spec.sliding_window import Table, WindowState
 
 VERSION = "5.24.0"
@@ -457,10 +457,10 @@ def implementation(name: str, **components: Any) -> Implementation:
     return Implementation(name=f"transformers {engine_version()} {name}", conventions=CONVENTIONS, **components)
 
 
-BLOCK_MANAGER = Offer(HfBlockManager, operations={"fork"}, emulated={"free"})
+BLOCK_MANAGER = Offer(HfBlockManager, operations={FORK}, emulated={"free"})
 PREFIX_CACHING = Offer(  # its fork is the block manager's (judged there): the scheduler then samples one at a time
     HfPrefixCachingManager,
-    operations={"deferred_commit"},
+    operations={DEFERRED_COMMIT},
     emulated={"add_sequence", "free", "cached_prefix", "block_hashes"},
 )
 SLIDING_WINDOW = Offer(HfSlidingWindow, emulated={"free"})

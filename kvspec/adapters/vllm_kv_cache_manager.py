@@ -89,7 +89,7 @@ from kvspec.spec.components import Offer
 from kvspec.spec.conventions import Conventions, PoolConventions, WindowConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
-from kvspec.spec.prefix_cache import Commit, ExtraKey
+from kvspec.spec.prefix_cache import DEFERRED_COMMIT, Commit, ExtraKey
 from kvspec.spec.sliding_window import Table, WindowState
 
 VERSION = "0.33.0"
@@ -422,7 +422,7 @@ class VllmHybridManager:
 def full() -> Implementation:
     """vLLM's full-attention ``KVCacheManager`` as the prefix-caching manager; the pool and the rest are kvspec's."""
     engine()  # fail here, with the engine's ImportError, when vLLM is not installed
-    manager = Offer(VllmPrefixCachingManager, operations={"deferred_commit"}, emulated={"read", "evict"})
+    manager = Offer(VllmPrefixCachingManager, operations={DEFERRED_COMMIT}, emulated={"read", "evict"})
     name = f"vLLM {engine_version()} KVCacheManager (full attention)"
     return Implementation(name=name, prefix_caching_manager=manager, conventions=CONVENTIONS)
 

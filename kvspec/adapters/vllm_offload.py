@@ -72,7 +72,7 @@ from kvspec.spec.components import Offer
 from kvspec.spec.conventions import Conventions, StoreConventions, StorePolicy
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
 from kvspec.spec.implementation import Implementation
-from kvspec.spec.kv_store import StoreState, Tokens
+from kvspec.spec.kv_store import PENDING_STORES, StoreState, Tokens
 from kvspec.spec.kv_store_policies import ArcLists, Ghosts, eviction_order
 
 VERSION = "0.33.0"
@@ -261,5 +261,5 @@ def engine_version() -> str:
 def factory() -> Implementation:
     """vLLM's ``CPUOffloadingManager`` under test as layer 7's store; every other layer is the reference's."""
     engine_manager()  # fail here, with the engine's ImportError, when vLLM is not installed
-    store = Offer(VllmOffloadStore, operations={"pending_stores"}, emulated={"evict"})
+    store = Offer(VllmOffloadStore, operations={PENDING_STORES}, emulated={"evict"})
     return Implementation(name=f"vLLM {engine_version()} CPUOffloadingManager", kv_store=store, conventions=CONVENTIONS)

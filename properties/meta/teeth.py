@@ -1,7 +1,7 @@
 """The suite's teeth: every broken member of the zoo is caught, by each invariant it names.
 
-A member of ``impl/broken/`` declares ``@caught_by(invariant, machine)``; the
-proof runs that machine against it checking that invariant *alone*, so the
+A member of ``impl/broken/`` declares the (invariant, machine) pairs that catch it
+(``member(..., caught_by=...)``, or a line of its layer's ``members``); the proof runs that machine against it checking that invariant *alone*, so the
 invariant is shown able to fail by itself, whatever else the member breaks.
 A safety member's proof is its verdict instead (``assert_filed_under_safety``):
 every rule checked, its invariant must come out violated in the safety tier,
@@ -38,7 +38,8 @@ def zoo() -> list[tuple[str, Catch]]:
     declared = []
     for module_info in pkgutil.iter_modules(broken.__path__):
         module = importlib.import_module(f"{broken.__name__}.{module_info.name}")
-        for name, factory in sorted(vars(module).items()):
+        factories = ((name, value) for name, value in sorted(vars(module).items()) if not isinstance(value, type))
+        for name, factory in factories:  # a class (``Member``, imported) has ``caught_by`` as a field, not claims
             for catch in getattr(factory, "caught_by", ()):
                 declared.append((f"{module.__name__}:{name}", catch))
     return declared

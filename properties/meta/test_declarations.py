@@ -1,17 +1,20 @@
-"""What a component is, and what it may offer, is declared once: by its chapter's Protocol.
+"""What a component is, and what it may offer, is declared once: by its chapter's Protocols.
 
-A kind's methods are its protocol's (``component_kind(name, Protocol, ...)``); each optional operation's
-methods are written in a protocol of the chapter that introduces it (``TransferringScheduler``,
-``EngineChoicesStore``, ``SpeculativeBlockManager``, ...).  An optional operation is still named by a
-string where it is used -- a rule's ``needs``, a machine's ``requires`` and ``offers`` -- and a name its
-kind does not declare is refused where it is used, never read as "not offered".
+A kind's methods are its protocol's (``component_kind(name, Protocol, ...)``); each optional operation is a
+typed constant declared in the chapter that introduces it (``optional_operation(name, Protocol, *methods,
+kinds=...)``), its methods written in that chapter's protocol.  Rules, machines and offers name the constant:
+a misspelt operation is a ``NameError`` and a mypy error, and an operation asked of a kind that cannot offer
+it is refused where it is asked, never read as "not offered".
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import ClassVar, Protocol
+import subprocess
+import sys
+from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -19,57 +22,80 @@ import kvspec.spec
 from kvspec.properties import suite
 from kvspec.properties.loading import REFERENCE, load_implementation
 from kvspec.properties.test_block_pool import BlockPoolMachine
-from kvspec.spec.components import KINDS, check_operation, methods_of
+from kvspec.spec import batch_pool, kv_transfer
+from kvspec.spec.components import KINDS, OPERATIONS, check_operation, methods_of
 from kvspec.spec.invariants import REGISTRY
 
 
-def spec_protocols() -> list[type]:
-    """Every protocol kvspec's chapters write."""
-    found = []
+def spec_modules() -> None:
+    """Import every chapter: each declares its kinds and optional operations on import."""
     for module_info in pkgutil.iter_modules(kvspec.spec.__path__):
-        module = importlib.import_module(f"kvspec.spec.{module_info.name}")
-        found += [
-            value
-            for value in vars(module).values()
-            if isinstance(value, type) and getattr(value, "_is_protocol", False) and value.__module__ == module.__name__
-        ]
-    return found
+        importlib.import_module(f"kvspec.spec.{module_info.name}")
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS), ids=str)
-def test_a_kinds_methods_are_its_protocols_and_each_optional_method_is_written_in_one(kind: str) -> None:
+def test_a_kinds_methods_are_its_protocols_and_each_operations_are_written_in_a_protocol_extending_it(
+    kind: str,
+) -> None:
+    spec_modules()
     declared = KINDS[kind]
     if declared.protocol is None:  # a bare function (the attention kernel)
         assert declared.methods == () and not declared.optional
         return
-    optional = {method for needs in declared.optional.values() for method in needs}
+    optional = {method for operation in declared.optional.values() for method in operation.methods}
     assert set(declared.methods) == set(methods_of(declared.protocol)) - optional
-    # a protocol extending the kind's, or one it extends (a manager's rollback is written for every manager)
-    bases = [base for base in declared.protocol.__mro__ if getattr(base, "_is_protocol", False)]
-    extending = [p for p in spec_protocols() if any(base in p.__mro__ for base in bases if base is not Protocol)]
-    unwritten = sorted(m for m in optional if not any(m in methods_of(p) for p in extending))
-    assert not unwritten, f"{kind}: the optional methods {unwritten} are in no protocol of kvspec's spec"
+    for operation in declared.optional.values():
+        assert set(operation.methods) <= set(methods_of(operation.protocol))
+        # written for this kind, or for every kind it extends (a manager's rollback is written for every manager)
+        related = set(declared.protocol.__mro__) & set(operation.protocol.__mro__)
+        assert related - {object} and operation.protocol.__doc__, f"{kind}.{operation}"
 
 
-def test_every_rule_and_every_machine_names_operations_their_kinds_declare() -> None:
+def test_every_operation_names_kinds_that_exist_and_every_rule_and_machine_asks_a_kind_that_may_offer_it() -> None:
+    spec_modules()
+    assert set(OPERATIONS) <= set(KINDS)
     for rule in REGISTRY.values():
-        for need in rule.needs:
-            check_operation(*need.split(".", 1))
+        assert all(need.kinds for need in rule.needs)
     for declaration in suite.declarations():
         for kind, operations in declaration.machine.requires.items():
             for operation in operations:
                 check_operation(kind, operation)
 
 
-class MisspeltRequirement(BlockPoolMachine):
-    requires: ClassVar = {"block_pool": frozenset({"register_block"})}
+class AnotherKindsRequirement(BlockPoolMachine):
+    requires: ClassVar = {"block_pool": frozenset({kv_transfer.KV_TRANSFER})}
 
 
-def test_a_misspelt_operation_is_refused_where_it_is_used_never_read_as_not_offered() -> None:
+def test_an_operation_asked_of_a_kind_that_cannot_offer_it_is_refused_never_read_as_not_offered() -> None:
     reference = load_implementation(REFERENCE)
-    with pytest.raises(ValueError, match="block_pool declares no optional operation 'register_block'"):
-        MisspeltRequirement.bind(reference)
+    with pytest.raises(ValueError, match="block_pool cannot offer kv_transfer: an optional operation of scheduler"):
+        AnotherKindsRequirement.bind(reference)
     machine = BlockPoolMachine.bind(reference)()
-    assert machine.offers("block_pool", "register_blocks")
-    with pytest.raises(ValueError, match="no optional operation 'register_block'"):
-        machine.offers("block_pool", "register_block")
+    assert machine.offers("block_pool", batch_pool.REGISTER_BLOCKS)
+    with pytest.raises(ValueError, match="cannot offer kv_transfer"):
+        machine.offers("block_pool", kv_transfer.KV_TRANSFER)
+
+
+MISSPELT = """
+from kvspec.properties.test_block_pool import BlockPoolMachine
+from kvspec.spec import batch_pool
+
+
+class Misspelt(BlockPoolMachine):
+    def batched(self) -> bool:
+        return self.offers("block_pool", batch_pool.REGISTER_BLOCK)
+"""
+
+
+def test_mypy_catches_a_misspelt_optional_operation(tmp_path: Path) -> None:
+    pytest.importorskip("mypy")
+    source = tmp_path / "misspelt.py"
+    source.write_text(MISSPELT)
+    checked = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-incremental", "--follow-imports=silent", str(source)],
+        capture_output=True,
+        text=True,
+        cwd=Path(kvspec.__file__).parents[1],  # the repository: mypy follows no import hook of an editable install
+    )
+    assert checked.returncode == 1, checked.stdout
+    assert 'Module has no attribute "REGISTER_BLOCK"' in checked.stdout, checked.stdout

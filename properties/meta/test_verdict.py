@@ -28,6 +28,7 @@ from kvspec.spec.components import Offer
 from kvspec.spec.conventions import Conventions
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import diff_states
+from kvspec.spec.kv_transfer import KV_TRANSFER
 
 QUICK = Settings(max_examples=25, stateful_step_count=25, derandomize=True, database=None)
 
@@ -67,9 +68,9 @@ def test_an_unknown_profile_is_a_usage_error() -> None:
         {"block_pool": 42},
         {"block_pool": BlockPool(4, "lru")},  # a built pool, not a factory
         {"block_pool": object},  # a class without the protocol's methods
-        {"block_manager": Offer(BlockManager, operations={"teleport"})},
+        {"block_manager": Offer(BlockManager, operations={KV_TRANSFER})},  # a scheduler's
     ],
-    ids=["nothing", "42", "an instance", "a class without methods", "an unknown operation"],
+    ids=["nothing", "42", "an instance", "a class without methods", "another kind's operation"],
 )
 def test_an_unusable_declaration_is_an_adapter_error(declared: dict[str, object]) -> None:
     with pytest.raises(AdapterError):

@@ -23,7 +23,7 @@ from kvspec.impl.block_pool import BlockPool  # noqa: E402
 from kvspec.spec import block_pool, sliding_window  # noqa: E402
 from kvspec.spec.conventions import WindowConventions  # noqa: E402
 from kvspec.spec.errors import OutOfBlocks  # noqa: E402
-from kvspec.spec.prefix_cache import Commit  # noqa: E402
+from kvspec.spec.prefix_cache import DEFERRED_COMMIT, Commit  # noqa: E402
 
 
 def full(capacity: int, block_size: int, commit: Commit = "on_fill") -> adapter.VllmPrefixCachingManager:
@@ -89,7 +89,7 @@ def test_evict_hands_the_first_cached_free_blocks_to_evict_blocks() -> None:
 
 def test_fork_and_swap_are_not_offered() -> None:
     offer = adapter.full().prefix_caching_manager
-    assert offer is not None and offer.operations == frozenset({"deferred_commit"})
+    assert offer is not None and offer.operations == frozenset({DEFERRED_COMMIT})
     assert not hasattr(adapter.VllmPrefixCachingManager, "fork")
 
 
