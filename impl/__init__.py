@@ -30,7 +30,7 @@ def tiny_model(**sizes: int) -> TinyModel:
     return TinyModel(ModelConfig(**sizes))
 
 
-COMPONENTS: dict[str, Callable[..., Any]] = {
+COMPONENTS: dict[str, Callable[..., Any]] = {  # every kind kvspec's layers declare
     "block_pool": BlockPool,
     "block_manager": BlockManager,
     "paged_kv_cache": PagedKVCache,
@@ -44,9 +44,6 @@ COMPONENTS: dict[str, Callable[..., Any]] = {
     "kv_store": KVStore,
     "sliding_window_manager": SlidingWindowManager,
     "radix_page_manager": RadixPageManager,
-}
-
-EXTENSIONS: dict[str, Callable[..., Any]] = {  # kinds declared by kvspec's layers that Implementation has no field for
     "hierarchical_radix_cache": HierarchicalRadixCache,
     "token_budget_scheduler": BudgetScheduler,
 }
@@ -54,6 +51,5 @@ EXTENSIONS: dict[str, Callable[..., Any]] = {  # kinds declared by kvspec's laye
 
 def reference() -> Implementation:
     """The reference implementation: the default under test; it offers every optional operation."""
-    offers: dict[str, Any] = {kind: Offer(factory, every_operation(kind)) for kind, factory in COMPONENTS.items()}
-    extensions = {kind: Offer(factory, every_operation(kind)) for kind, factory in EXTENSIONS.items()}
-    return Implementation(name="kvspec reference", extensions=extensions, **offers)
+    offers = {kind: Offer(factory, every_operation(kind)) for kind, factory in COMPONENTS.items()}
+    return Implementation(name="kvspec reference", components=offers)

@@ -20,7 +20,17 @@ import attrs
 from kvspec.spec.admission import BUSY, admissible, check_fits_alone, check_request, prefill_demand
 from kvspec.spec.block_manager import BlockManager
 from kvspec.spec.errors import InvalidOperation
-from kvspec.spec.kv_transfer import OUTCOMES, Outcome, Transfer
+from kvspec.spec.kv_transfer import (
+    OUTCOMES,
+    Outcome,
+    Transfer,
+    TransferGroup,
+    TransferRequest,
+    TransferState,
+    loads_prompt,
+    new_group,
+    sends_kv,
+)
 from kvspec.spec.preemption import append_demand
 from kvspec.spec.prefix_cache import PrefixCachingManager, max_hit_blocks
 from kvspec.spec.scheduler import (
@@ -30,7 +40,6 @@ from kvspec.spec.scheduler import (
     Request,
     RequestId,
     SchedulerConfig,
-    SchedulerState,
     StepReport,
     check_config,
     rank,
@@ -68,9 +77,7 @@ class Scheduler:
     def arrive(self, request: Request) -> None:
         request = check_request(request, self._arrived_set)
         self._check_fits_alone(request)
-        self._groups[request.request_id] = Entry.of(
-            Group(request=request, arrival=len(self._arrived), ready=request.ready, remote=request.remote_prompt)
-        )
+        self._groups[request.request_id] = Entry.of(new_group(request, len(self._arrived)))
         self._arrived.append(request.request_id)
         self._arrived_set.add(request.request_id)
 
@@ -100,8 +107,8 @@ class Scheduler:
         self._steps += 1
         return report.freeze()
 
-    def snapshot(self) -> SchedulerState:
-        return SchedulerState(
+    def snapshot(self) -> TransferState:
+        return TransferState(
             config=self._config,
             steps=self._steps,
             arrived=tuple(self._arrived),
@@ -203,7 +210,7 @@ class Scheduler:
         report.decode_tokens += len(decoding)
         group.generated += 1
         finishing = [seq for seq in decoding if group.request.output_length(seq[1]) == group.generated]
-        if group.seqs or not group.request.sends_kv:
+        if group.seqs or not sends_kv(group.request):
             for seq in finishing:
                 self._finish_sample(seq)
         else:  # the last samples' blocks go to the send of the request's KV
@@ -314,7 +321,8 @@ class Scheduler:
 
 @attrs.define
 class Entry:
-    """A group as the scheduler tracks it: ``kvspec.spec.scheduler.Group``'s fields, updated in place."""
+    """A group as the scheduler tracks it: ``kvspec.spec.scheduler.Group``'s fields, and the KV-transfer chapter's
+    ``remote`` (``kvspec.spec.kv_transfer.TransferGroup``), updated in place."""
 
     request: Request
     arrival: int
@@ -322,12 +330,18 @@ class Entry:
     generated: int
     preemptions: int
     ready: bool
-    remote: bool
+    remote: bool  # admission loads its prompt's KV, computed elsewhere
 
     @classmethod
     def of(cls, group: Group) -> Entry:
         return cls(
-            group.request, group.arrival, group.location, group.generated, group.preemptions, group.ready, group.remote
+            group.request,
+            group.arrival,
+            group.location,
+            group.generated,
+            group.preemptions,
+            group.ready,
+            loads_prompt(group),
         )
 
     @property
@@ -337,9 +351,10 @@ class Entry:
         return tuple((rid, s) for s in range(request.n) if request.output_length(s) > self.generated)
 
     def frozen(self) -> Group:
-        return Group(
-            self.request, self.arrival, self.location, self.generated, self.preemptions, self.ready, self.remote
-        )
+        fields = (self.request, self.arrival, self.location, self.generated, self.preemptions, self.ready)
+        if isinstance(self.request, TransferRequest):  # the KV-transfer chapter's group, as the spec's arrival makes it
+            return TransferGroup(*fields, remote=self.remote)
+        return Group(*fields)
 
 
 @attrs.frozen

@@ -1,6 +1,6 @@
 """kvspec: an executable, property-tested specification of KV-cache management.
 
-``kvspec.run_conformance(factory, layers=..., profile=...)`` returns the
+``kvspec.run_conformance(factory, titled=..., profile=...)`` returns the
 conformance verdict that ``kvspec check`` prints (``kvspec.conformance``):
 a ``Verdict`` of ``RuleVerdict`` rows, ``Violation`` findings and
 ``MachineRun`` rows.  ``kvspec.replay(token)`` runs a finding's example

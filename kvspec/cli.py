@@ -71,8 +71,8 @@ def check(argv: Sequence[str]) -> int:
         profiles.check_example_database(args.profile)
         with contextlib.redirect_stdout(sys.stderr):  # what the adapter prints while it loads
             path, _ = select(args.impl)
-        layers = None if args.machine is None else [args.machine]
-        verdict = run_conformance(path, layers=layers, profile=args.profile, progress=report_progress, jobs=args.jobs)
+        titled = None if args.machine is None else [args.machine]
+        verdict = run_conformance(path, titled=titled, profile=args.profile, progress=report_progress, jobs=args.jobs)
     except (AdapterError, UsageError) as error:
         return fail(parser.prog, error, args.traceback)
     if args.json:

@@ -4,7 +4,7 @@
 
     import kvspec
 
-    verdict = kvspec.run_conformance("my_engine.adapter:factory", layers=["block pool"], profile="ci")
+    verdict = kvspec.run_conformance("my_engine.adapter:factory", titled=["block pool"], profile="ci")
     print(verdict)          # what ``kvspec check`` prints; verdict.to_json() is what ``--json`` prints
     assert verdict.conforms
 
@@ -12,10 +12,12 @@ Rules:
 
 * ``factory`` is ``module:factory``, the factory itself, or an
   ``Implementation``; components it leaves out come from the reference.  An
-  unusable one raises ``AdapterError`` (one line); an unknown layer word or
-  profile raises ``UsageError``.  ``layers`` keeps the machines whose title
-  contains one of the given words (default: every machine of
-  ``properties.suite``); ``machines`` adds machines of a third party's layers.
+  unusable one raises ``AdapterError`` (one line); a word that names no
+  machine, or an unknown profile, raises ``UsageError``.  ``titled`` keeps
+  the machines whose title contains one of the given words (``kvspec check
+  --machine``; default: every machine of ``properties.suite``); ``machines``
+  adds machines of a third party's layers.  A *layer* is always a spec
+  module's name (``Invariant.layer``, the verdict's layer column).
 * ``jobs``: the machines are judged in that many worker processes (default
   1: in this process; ``kvspec check`` uses every core), each machine on its
   own; what they found is folded into the verdict in the machines' order, so
@@ -55,7 +57,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import attrs
 
@@ -113,15 +114,15 @@ __all__ = [  # the verdict's records and the replay token, where a caller of ``r
 ]
 
 
-def choose(layers: Iterable[str] | None, machines: Sequence[ConformanceTest | type]) -> list[ConformanceTest]:
-    """The machines a verdict runs: those whose title contains one of ``layers`` (every word must match one)."""
+def choose(titled: Iterable[str] | None, machines: Sequence[ConformanceTest | type]) -> list[ConformanceTest]:
+    """The machines a verdict runs: those whose title contains one of ``titled`` (every word must match one)."""
     given = [declaration_of(machine) for machine in machines]
     if None in given:
         raise UsageError("machines takes the declarations of test modules (conformance_test(Machine, title))")
     everything = [*suite.declarations(), *(d for d in given if d is not None)]
-    if layers is None:
+    if titled is None:
         return everything
-    words = list(layers)
+    words = list(titled)
     unknown = [word for word in words if not word or not any(word in d.title for d in everything)]
     if unknown or not words:
         titles = "; ".join(d.title for d in everything)
@@ -133,13 +134,13 @@ def choose(layers: Iterable[str] | None, machines: Sequence[ConformanceTest | ty
 
 def run_conformance(
     factory: str | Callable[[], Implementation] | Implementation,
-    layers: Iterable[str] | None = None,
+    titled: Iterable[str] | None = None,
     profile: str = "ci",
     progress: Callable[[str], None] | None = None,
     machines: Sequence[ConformanceTest | type] = (),  # declarations (or the classes pytest bound from them)
     jobs: int = 1,
 ) -> Verdict:
-    """Run every machine of ``layers`` against ``factory``; the verdict, every distinct finding included.
+    """Run every machine (or those ``titled``) against ``factory``; the verdict, every distinct finding included.
 
     Ctrl-C stops the run (every worker with it) and returns the verdict of what ran: INTERRUPTED, or VIOLATED
     marked interrupted when a finding was already made.  While it runs, what Hypothesis and the implementation
@@ -149,7 +150,7 @@ def run_conformance(
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise UsageError(f"jobs must be a positive number of worker processes, got {jobs!r}")
     base = rounds.profile_settings(profile)  # through the module: a test patches the profiles' budget there
-    chosen = choose(layers, machines)
+    chosen = choose(titled, machines)
     with profiles.hypothesis_files_in_cache(), contextlib.redirect_stdout(sys.stderr):
         import_every_module()
         path, implementation = resolve(factory)
@@ -206,10 +207,7 @@ def verdict_of(run: Run, profile: str) -> Verdict:
         for consequence in v.consequences
     }
     # a rule judged only through borrowed components is "not offered" by this implementation
-    borrowed: dict[str, Any] = {
-        kind: None for kind in implementation.borrowed if kind in attrs.fields_dict(Implementation)
-    }
-    unoffered = attrs.evolve(implementation, **borrowed).rules_not_offered()
+    unoffered = implementation.without_borrowed().rules_not_offered()
 
     def verdict(rule: Invariant) -> str:
         if rule.name in violated:

@@ -302,14 +302,9 @@ def watch(implementation: Implementation, used: set[str]) -> Implementation:
         build_component.__qualname__ = getattr(factory, "__qualname__", kind)
         return build_component
 
-    offers = implementation.offers()
-    noted: dict[str, Any] = {
+    offers = implementation.components
+    noted = {
         kind: attrs.evolve(offers[kind], factory=noting(kind, offers[kind].factory))
         for kind in implementation.own_components()
-        if kind not in implementation.extensions
     }
-    extensions = {
-        kind: attrs.evolve(offer, factory=noting(kind, offer.factory))
-        for kind, offer in implementation.extensions.items()
-    }
-    return attrs.evolve(implementation, extensions=extensions, **noted)
+    return attrs.evolve(implementation, components={**offers, **noted})

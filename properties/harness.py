@@ -78,6 +78,7 @@ from kvspec.properties.findings import (
     variant_of,
     violation_class,
 )
+from kvspec.properties.reserved import check_names
 from kvspec.properties.subjects import Answer, Specs, Subject, compared, refusal_views, split_result
 from kvspec.properties.transcript import AnsweredDifferently, Transcript
 from kvspec.spec.components import Operation, check_operation
@@ -123,7 +124,7 @@ class LockstepMachine(RuleBasedStateMachine):
     ``offers`` (a rule's precondition).
 
     Its rules, invariants and helpers may take any name but the harness's
-    (``RESERVED``: ``subject``, ``check``, ``record``, ... and Hypothesis's),
+    (``reserved.names``: ``subject``, ``check``, ``record``, ... and Hypothesis's),
     which ``bind`` refuses in one line; the harness keeps its own state in
     ``_`` names.
     """
@@ -177,7 +178,7 @@ class LockstepMachine(RuleBasedStateMachine):
         trusts its caller, none to another).  ``probing``: send only this kind of out-of-contract call, and
         after the implementation accepts one, check safety alone: what breaks is its consequence.
         """
-        check_names(cls)
+        check_names(cls, LockstepMachine)
         for kind, operations in cls.requires.items():
             for operation in operations:
                 check_operation(kind, operation)
@@ -448,26 +449,3 @@ class LockstepMachine(RuleBasedStateMachine):
                 setattr(in_flight, STEPS_OF_A_CRASH, self._steps)
             except AttributeError:  # an exception type without a __dict__: its finding comes without steps
                 pass
-
-
-OVERRIDABLE = frozenset({"uses", "requires", "judges", "recycles_buffers", "teardown"})  # a machine's to set
-RESERVED = (
-    frozenset(name for name in dir(LockstepMachine) if not name.startswith("__")) | {"implementation", "statistics"}
-) - OVERRIDABLE
-"""The harness's names, and Hypothesis's: a machine that defines one (a rule named ``record``, ``check``, ``subject``)
-would replace what the harness calls.  ``bind`` refuses such a machine in one line."""
-
-
-def check_names(machine: type[LockstepMachine]) -> None:
-    """Refuse a machine that defines a name the harness reserves (``RESERVED``), before anything runs."""
-    own = {name for klass in machine.__mro__ if is_written(klass) for name in vars(klass)}
-    clashes = sorted(own & RESERVED)
-    if clashes:
-        raise TypeError(
-            f"{machine.__qualname__} defines {', '.join(clashes)}: reserved by LockstepMachine or Hypothesis, rename it"
-        )
-
-
-def is_written(klass: type) -> bool:
-    """A machine class a person wrote: below ``LockstepMachine``, not a class ``bind`` made."""
-    return issubclass(klass, LockstepMachine) and klass is not LockstepMachine and not vars(klass).get("_bound")

@@ -51,7 +51,7 @@ class ConformanceTest:
     """
 
     machine: type[LockstepMachine]
-    title: str  # how a verdict names it; ``--machine`` and ``run_conformance(layers=...)`` match its words
+    title: str  # how a verdict names it; ``--machine`` and ``run_conformance(titled=...)`` match its words
     examples: float = 1.0  # scales the profile's example count, for machines whose steps are costly
 
     def settings(self, base: Settings | None = None) -> Settings:

@@ -423,5 +423,5 @@ def copying_fork_reference() -> Implementation:
 
 
 def test_the_reference_copying_at_fork_conforms() -> None:
-    verdict = run_conformance(copying_fork_reference, layers=["block manager"], profile="ci")
+    verdict = run_conformance(copying_fork_reference, titled=["block manager"], profile="ci")
     assert verdict.conforms, str(verdict)

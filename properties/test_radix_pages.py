@@ -291,7 +291,7 @@ def last_freed_first_reference() -> Implementation:
 
 
 def test_the_reference_reusing_the_last_freed_page_conforms() -> None:
-    verdict = run_conformance(last_freed_first_reference, layers=["radix pages"], profile="ci")
+    verdict = run_conformance(last_freed_first_reference, titled=["radix pages"], profile="ci")
     assert verdict.conforms, str(verdict)
 
 

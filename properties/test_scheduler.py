@@ -196,22 +196,14 @@ class SchedulerMachineBase(LockstepMachine):
         stops = (
             data.draw(st.lists(st.integers(1, max_new_tokens), min_size=n, max_size=n), label="stops") if apart else []
         )
-        remote = sends = False
+        self.next_id += 1
         if self.transfers and self.offers("scheduler", kv_transfer.KV_TRANSFER):
             remote = data.draw(st.booleans(), label="prompt computed elsewhere")
             sends = data.draw(st.booleans(), label="sends its KV on finish")
-        self.next_id += 1
-        return Request(
-            self.next_id,
-            prompt,
-            max_new_tokens,
-            n,
-            priority,
-            ready,
-            stops=tuple(stops),
-            remote_prompt=remote,
-            sends_kv=sends,
-        )
+            return kv_transfer.TransferRequest(
+                self.next_id, prompt, max_new_tokens, n, priority, ready, tuple(stops), remote, sends
+            )
+        return Request(self.next_id, prompt, max_new_tokens, n, priority, ready, stops=tuple(stops))
 
     def accepted(self, request: Request) -> None:
         """The implementation took ``request``: its deadline counts from the implementation's own state now."""
@@ -220,16 +212,15 @@ class SchedulerMachineBase(LockstepMachine):
         self.longest = max(self.longest, request.max_new_tokens)
         gpu_blocks, _, block_size = self.sizes
         self.fit_alone = self.fit_alone and model.peak_blocks(request, block_size) <= gpu_blocks
-        self.bounded = (
-            self.bounded and self.fit_alone and request.ready and not (request.remote_prompt or request.sends_kv)
-        )
+        transfers = isinstance(request, kv_transfer.TransferRequest) and (request.remote_prompt or request.sends_kv)
+        self.bounded = self.bounded and self.fit_alone and request.ready and not transfers
         event("arrival accepted" if request.ready else "arrival accepted, not ready")
 
     def stepped(self, before: SchedulerState, report: StepReport) -> None:
         after = self.scheduler.impl.snapshot()
         self.check_state(after)
         # the oldest is safe from preemption under fcfs when it fits alone and no transfer holds blocks it may need
-        if self.policy == "fcfs" and self.fit_alone and not before.transfers:
+        if self.policy == "fcfs" and self.fit_alone and not kv_transfer.transfers_in_flight(before):
             self.check(preemption.invariant_oldest_never_preempted, before, report)
         loads = {rid for rid, (direction, _) in self.in_flight.items() if direction == "load"}
         self.check(kv_transfer.invariant_no_decode_before_load_lands, loads, after, report)
@@ -264,7 +255,8 @@ class SchedulerMachineBase(LockstepMachine):
     def check_state(self, state: SchedulerState) -> None:
         self.check_group(preemption.STATE, state)
         self.check(sample_groups.invariant_finished_sample_holds_nothing, state)
-        for transfer in state.transfers:  # the blocks each transfer began on, as the implementation placed them
+        # the blocks each transfer began on, as the implementation placed them
+        for transfer in kv_transfer.transfers_in_flight(state):
             if transfer.request_id not in self.in_flight:
                 blocks = frozenset(b for seq in transfer.seqs for b in state.gpu.tables.get(seq, ()))
                 self.in_flight[transfer.request_id] = (transfer.direction, blocks)
@@ -329,15 +321,19 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
         for sends in (True, False, False):
             request = self.draw_request(data, ready=True)
             prompt, max_new_tokens = request.prompt[: self.sizes[2]], min(request.max_new_tokens, 2)
-            short = attrs.evolve(request, prompt=prompt, max_new_tokens=max_new_tokens, n=1, stops=())
-            self.arrive(attrs.evolve(short, remote_prompt=True, sends_kv=sends))
+            self.arrive(
+                kv_transfer.TransferRequest(
+                    request.request_id, prompt, max_new_tokens, 1, request.priority, remote_prompt=True, sends_kv=sends
+                )
+            )
             ids.append(request.request_id)
         fate = dict(zip(ids, fates, strict=True))
         self.step(1)
         for _ in range(12):  # a bounded count: a call the implementation fails leaves the model as it was
-            if not (self.scheduler.model.transfers or self.scheduler.model.groups):
+            in_flight = kv_transfer.transfers_in_flight(self.scheduler.model)
+            if not (in_flight or self.scheduler.model.groups):
                 break
-            for transfer in self.scheduler.model.transfers:
+            for transfer in in_flight:
                 self.end_transfer(transfer.request_id, *fate.get(transfer.request_id, ("done", False)))
             self.step(1)
 
@@ -447,7 +443,7 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
                 self.check(admission.invariant_hits_probed_at_admission, answered(self.plans), report.cached_tokens)
             self.check(invariant_result_matches_spec, answer.expected, report)
             self.stepped(before, report)
-            expected = model.abstract(self.scheduler.model)
+            expected = kv_transfer.abstract(self.scheduler.model)
             self.check(invariant_scheduler_refines_spec, self.scheduler.impl.snapshot(), expected)
             self.reached(spec_before, self.scheduler.model, report)
             self.admitted.update(report.admitted)
@@ -512,7 +508,7 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
     def matches_model(self) -> None:
         state = self.scheduler.impl.snapshot()
         self.check_state(state)
-        self.check(invariant_scheduler_refines_spec, state, model.abstract(self.scheduler.model))
+        self.check(invariant_scheduler_refines_spec, state, kv_transfer.abstract(self.scheduler.model))
 
 
 class SchedulerMachine(LockstepSchedulerMachine):
@@ -531,7 +527,7 @@ class SchedulerMachine(LockstepSchedulerMachine):
     def finish_transfer(self, index: int, outcome: str, abort_first: bool, then_steps: int) -> None:
         """The worker reports the end of a transfer in flight (often of a load whose request was aborted while it
         was in flight), then steps; a request with none in flight, or an outcome there is not, is out of contract."""
-        flying = [t.request_id for t in self.scheduler.model.transfers]
+        flying = [t.request_id for t in kv_transfer.transfers_in_flight(self.scheduler.model)]
         self.end_transfer(flying[index] if index < len(flying) else index, outcome, abort_first)
         self.step(then_steps)
 

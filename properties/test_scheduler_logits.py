@@ -13,7 +13,9 @@ paged cache, and the logits must equal a contiguous twin's for the same
 positions (``invariant_paged_equals_contiguous``).  The twin computes each
 position of each sequence once and keeps its logits, so a recomputation is
 compared with the first computation, and a swapped group's next token reads
-KV that went to the CPU and back.
+KV that went to the CPU and back.  One addition: after the swap machine's
+opening, each example opens with a group of two samples that comes back from
+the CPU with each block's KV in another's block (``open_with_samples_exchanged``).
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from typing import Any
 
 import numpy as np
 from hypothesis import event
+from hypothesis import strategies as st
 
 from kvspec.properties.running import conformance_test
 from kvspec.properties.test_scheduler import SwapSchedulerMachine
-from kvspec.spec import paged_attention, preemption, swap
+from kvspec.spec import block_manager, paged_attention, preemption, swap
+from kvspec.spec import scheduler as model
 from kvspec.spec.block_manager import SeqId
 from kvspec.spec.paged_attention import PagedKVCache
+from kvspec.spec.scheduler import Request
 
 SIZES = {"vocab": 16, "d_model": 8, "heads": 2, "kv_heads": 1, "layers": 2, "mlp": 8, "seed": 3}
 
@@ -87,6 +92,40 @@ class PagedLogitsSchedulerMachine(SwapSchedulerMachine):
             self.came_back: set[SeqId] = set()  # swapped in, not decoded since
         manager = impl.block_manager(impl.block_pool(capacity, "lru"), block_size)
         return KVBackedManager(impl.paged_kv_cache(manager, self.tiny.config.kv_shape))
+
+    def open_with_group_finishing_apart(self, data: st.DataObject) -> None:
+        """The swap machine's opening, then this machine's own (``open_with_samples_exchanged``)."""
+        super().open_with_group_finishing_apart(data)
+        self.open_with_samples_exchanged(data)
+
+    def open_with_samples_exchanged(self, data: st.DataObject) -> None:
+        """A group of two samples comes back from the CPU with each block's KV in another's block, and decodes.
+
+        The swap machine's opening brings a lone sample back into its own blocks, in their order (the request
+        that pushed it out took them and gives them back last taken first), and permuting whole blocks of one
+        sequence changes no attention: a swap that puts K and V in the wrong blocks shows in neither.  Here, on
+        the GPU the swap machine's opening left idle: a request C, its prompt one token short of gpu_blocks - 3
+        blocks, and a group D of two samples of a one-block prompt.  C's first token and D's first (each sample's
+        in a block of its own) fill the GPU, C's second needs a block, and D gives way: swapped, its manager
+        frees the first sample's block, then the second's and the prompt's (the reference's order); C takes the
+        first, finishes, and frees its blocks last taken first.  D comes back the next step with the prompt's
+        KV in the block that held the second sample's, the first sample's in the prompt's, the second's in the
+        first's, and decodes twice: whatever a swap misplaces, across samples, D's logits show.  A CPU too small
+        for D's three blocks recomputes D instead; a GPU of six one-token blocks cannot hold D alone."""
+        gpu_blocks, _, size = self.sizes
+        # D decodes once before it gives way and twice after: a sample's last token is never compared (its
+        # sequence is gone when the step's forward runs)
+        fits = model.group_blocks(size, 3, 2, size) <= gpu_blocks
+        if not fits or not self.offers("block_manager", block_manager.FORK) or self.scheduler.model.groups:
+            return
+        for length, max_new_tokens, n in (((gpu_blocks - 3) * size - 1, 2, 1), (size, 3, 2)):
+            prompt = tuple(data.draw(st.lists(st.integers(0, 9), min_size=length, max_size=length), label="prompt"))
+            self.next_id += 1
+            self.arrive(Request(self.next_id, prompt, max_new_tokens, n))
+        for _ in range(8):  # a bounded count: a step the implementation fails leaves the model as it was
+            if not self.scheduler.model.groups:
+                break
+            self.step(1)
 
     def step(self, count: int) -> None:
         for _ in range(count):

@@ -193,5 +193,5 @@ def next_token_reference() -> Implementation:
 
 @pytest.mark.parametrize("reference", [ring_reference, next_token_reference])
 def test_the_reference_of_each_window_choice_conforms(reference: Callable[[], Implementation]) -> None:
-    verdict = run_conformance(reference, layers=["sliding-window"], profile="ci")
+    verdict = run_conformance(reference, titled=["sliding-window"], profile="ci")
     assert verdict.conforms, str(verdict)

@@ -113,7 +113,7 @@ def arrive(model: Model, request: Request) -> Model:
     """Queue the request as waiting, once it passes the contract and could run alone."""
     request = check_request(request, model.arrived)
     check_fits_alone(request, tables_of(model.gpu).pool.capacity, tables_of(model.gpu).block_size)
-    group = Group(request=request, arrival=len(model.arrived), ready=request.ready, remote=request.remote_prompt)
+    group = kv_transfer.new_group(request, len(model.arrived))
     return attrs.evolve(model, arrived=model.arrived + (request.request_id,), groups=model.groups + (group,))
 
 
@@ -158,7 +158,7 @@ def admit(model: Model, group: Group, need: int, report: StepReport) -> tuple[Mo
     for seq in others:
         gpu = memory(gpu).fork(gpu, first, seq)
     report = attrs.evolve(report, cached_tokens=report.cached_tokens + ((rid, plan.cached_tokens),))
-    if group.remote:  # the prompt's blocks are the landing zone of its KV, computed elsewhere
+    if kv_transfer.loads_prompt(group):  # the prompt's blocks are the landing zone of its KV, computed elsewhere
         model, report = kv_transfer.start_load(attrs.evolve(model, gpu=gpu), group, report)
         return model, admitted(report, rid)
     for seq in group.seqs:
@@ -343,7 +343,8 @@ def check_request(request: object, known: Collection[RequestId]) -> Request:
             raise InvalidOperation(f"request {request.request_id!r}: {name} must be an int >= 1, got {value!r}")
     if not isinstance(request.priority, int) or isinstance(request.priority, bool):
         raise InvalidOperation(f"request {request.request_id!r}: priority must be an int, got {request.priority!r}")
-    for flag in ("ready", "remote_prompt", "sends_kv"):
+    flags = ("ready", "remote_prompt", "sends_kv") if isinstance(request, kv_transfer.TransferRequest) else ("ready",)
+    for flag in flags:
         if not isinstance(getattr(request, flag), bool):
             raise InvalidOperation(f"request {rid!r}: {flag} must be a bool, got {getattr(request, flag)!r}")
     lengths = request.stops

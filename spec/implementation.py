@@ -10,8 +10,9 @@ Rules:
   optional operations it supports, the operations its adapter emulates), its
   conventions (``kvspec.spec.conventions``), and whether it trusts its caller
   (``conventions.trusts_caller``).  A bare factory is an offer of none of the
-  optional operations.  Layers of third parties come in ``extensions``,
-  keyed by the name of the component kind their spec module declares.
+  optional operations.  Each component is named by its kind's name
+  (``block_pool=...``); a component of a third party's layer the same way,
+  by the name of the kind its spec module declares.
 * Every component is optional; one left out is *borrowed* from the
   reference implementation and run on top of this implementation's own
   components -- so an allocator alone (``block_pool(capacity, policy)``
@@ -63,9 +64,9 @@ from kvspec.spec import (  # noqa: F401  (each declares its component kind, or o
 )
 from kvspec.spec.block_manager import BlockManager
 from kvspec.spec.block_pool import BlockPool, Policy
-from kvspec.spec.components import KINDS, DeclarationError, Offer, Operation, as_offer, check_offer
+from kvspec.spec.components import DeclarationError, Offer, Operation, as_offer, check_offer
 from kvspec.spec.contiguous import ContiguousAllocator, Placement
-from kvspec.spec.conventions import Conventions
+from kvspec.spec.conventions import REFERENCE, Conventions
 from kvspec.spec.invariants import REGISTRY, Invariant
 from kvspec.spec.kv_store import KVStore
 from kvspec.spec.paged_attention import KVShape, PagedKVCache, SequenceCache
@@ -78,67 +79,107 @@ from kvspec.spec.sliding_window import WindowManager
 AnyOffer = Offer[..., Any]
 
 
-def as_extensions(value: Mapping[str, object]) -> Mapping[str, AnyOffer]:
-    return {kind: offer for kind, offer in ((k, as_offer(v)) for k, v in value.items()) if offer is not None}
+def named_offers(components: Mapping[str, object]) -> Mapping[str, AnyOffer]:
+    """Each component as an ``Offer`` that knows its kind (for its messages and checks); None: left out."""
+    offers = {kind: as_offer(value) for kind, value in components.items()}
+    return {kind: attrs.evolve(offer, kind=kind) for kind, offer in offers.items() if offer is not None}
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class Implementation:
-    """Everything an implementation offers; a component left ``None`` is borrowed from the reference.
+    """Everything an implementation offers: one offer per component kind it brings, by the kind's name.
 
-    Each component's type is the offer a complete record holds -- its factory's call and the protocol it
-    builds -- which is what a machine sees: machines run only records completed from the reference.
+    ``Implementation(name="mine", block_pool=MyPool, conventions=...)`` names each component by its kind's
+    keyword (a kind of a third party's layer the same way); one left out is borrowed from the reference
+    (``complete_with``).  A machine reaches a component of kvspec's layers by its kind's name, typed by its
+    factory's call and the protocol it builds (``implementation.block_pool(capacity, policy)``), and one of
+    any layer with ``component(kind)``.
     """
 
     name: str
-    block_pool: Offer[[int, Policy], BlockPool] = attrs.field(default=None, converter=as_offer)
-    conventions: Conventions = Conventions()  # see spec.conventions: the engine's legitimate choices
-    block_manager: Offer[[BlockPool, int], BlockManager] = attrs.field(default=None, converter=as_offer)
-    # prefix_caching_manager(pool, block_size, commit="on_fill"):
-    prefix_caching_manager: Offer[..., PrefixCachingManager] = attrs.field(default=None, converter=as_offer)
-    radix_cache: Offer[[], RadixCache] = attrs.field(default=None, converter=as_offer)
-    scheduler: Offer[[BlockManager, BlockManager, SchedulerConfig], Scheduler] = attrs.field(
-        default=None, converter=as_offer
-    )
-    paged_kv_cache: Offer[[BlockManager, KVShape], PagedKVCache] = attrs.field(default=None, converter=as_offer)
-    # Layer 5's yardstick and kernels (see spec.paged_attention); a user normally leaves them to the reference.
-    # tiny_model(**sizes) builds a model with ``config`` and ``forward``; decode_attention is a kernel function:
-    tiny_model: AnyOffer = attrs.field(default=None, converter=as_offer)
-    contiguous_kv_cache: Offer[[KVShape], SequenceCache] = attrs.field(default=None, converter=as_offer)
-    decode_attention: AnyOffer = attrs.field(default=None, converter=as_offer)
-    contiguous_allocator: Offer[[int, Placement], ContiguousAllocator] = attrs.field(default=None, converter=as_offer)
-    kv_store: Offer[..., KVStore] = attrs.field(default=None, converter=as_offer)  # (nodes, capacities, policies)
-    sliding_window_manager: Offer[[BlockPool, int, int], WindowManager] = attrs.field(default=None, converter=as_offer)
-    radix_page_manager: Offer[[int, int], RadixPageManager] = attrs.field(default=None, converter=as_offer)
-    extensions: Mapping[str, AnyOffer] = attrs.field(factory=dict, converter=as_extensions)  # third parties' layers
-
+    components: Mapping[str, AnyOffer] = attrs.field(factory=dict, converter=named_offers)  # kind -> offer
+    conventions: Conventions = REFERENCE  # see spec.conventions: the engine's legitimate choices
     borrowed: frozenset[str] = frozenset()  # the components complete_with took from the reference
 
-    def __attrs_post_init__(self) -> None:
-        for kind, offer in self.offers().items():  # an offer knows its kind, for its messages and checks
-            if offer.kind != kind:
-                named = attrs.evolve(offer, kind=kind)
-                if kind in self.extensions:
-                    self.extensions[kind] = named  # type: ignore[index]  # our own dict, built by as_extensions
-                else:
-                    object.__setattr__(self, kind, named)
+    def __init__(
+        self,
+        name: str,
+        conventions: Conventions = REFERENCE,
+        *,
+        components: Mapping[str, object] | None = None,
+        borrowed: frozenset[str] = frozenset(),
+        **offered: object,
+    ) -> None:
+        self.__attrs_init__(name, {**(components or {}), **offered}, conventions, borrowed)
 
-    def offers(self) -> dict[str, AnyOffer]:
+    # -- kvspec's layers' components, typed (a record completed from the reference holds every one) --------
+
+    @property
+    def block_pool(self) -> Offer[[int, Policy], BlockPool]:
+        return self.component("block_pool")
+
+    @property
+    def block_manager(self) -> Offer[[BlockPool, int], BlockManager]:
+        return self.component("block_manager")
+
+    @property
+    def prefix_caching_manager(self) -> Offer[..., PrefixCachingManager]:  # (pool, block_size, commit="on_fill")
+        return self.component("prefix_caching_manager")
+
+    @property
+    def radix_cache(self) -> Offer[[], RadixCache]:
+        return self.component("radix_cache")
+
+    @property
+    def scheduler(self) -> Offer[[BlockManager, BlockManager, SchedulerConfig], Scheduler]:
+        return self.component("scheduler")
+
+    @property
+    def paged_kv_cache(self) -> Offer[[BlockManager, KVShape], PagedKVCache]:
+        return self.component("paged_kv_cache")
+
+    @property
+    def tiny_model(self) -> AnyOffer:  # tiny_model(**sizes): a model with ``config`` and ``forward``
+        return self.component("tiny_model")
+
+    @property
+    def contiguous_kv_cache(self) -> Offer[[KVShape], SequenceCache]:
+        return self.component("contiguous_kv_cache")
+
+    @property
+    def decode_attention(self) -> AnyOffer:  # a kernel function (see spec.paged_attention)
+        return self.component("decode_attention")
+
+    @property
+    def contiguous_allocator(self) -> Offer[[int, Placement], ContiguousAllocator]:
+        return self.component("contiguous_allocator")
+
+    @property
+    def kv_store(self) -> Offer[..., KVStore]:  # (nodes, capacities, policies)
+        return self.component("kv_store")
+
+    @property
+    def sliding_window_manager(self) -> Offer[[BlockPool, int, int], WindowManager]:
+        return self.component("sliding_window_manager")
+
+    @property
+    def radix_page_manager(self) -> Offer[[int, int], RadixPageManager]:
+        return self.component("radix_page_manager")
+
+    def offers(self) -> Mapping[str, AnyOffer]:
         """Every component this record holds (its own and borrowed), by kind."""
-        named = {field.name: getattr(self, field.name) for field in attrs.fields(Implementation)}
-        own = {kind: offer for kind, offer in named.items() if isinstance(offer, Offer)}
-        return {**own, **self.extensions}
+        return self.components
 
     def component(self, kind: str) -> AnyOffer:
-        """The offer of ``kind``; a machine of a third party's layer reaches its component this way."""
-        offer = self.offers().get(kind)
+        """The offer of the kind named ``kind``."""
+        offer = self.components.get(kind)
         if offer is None:
             raise DeclarationError(f"{self.name} offers no {kind}")
         return offer
 
     def offers_operation(self, kind: str, operation: Operation) -> bool:
         """Whether the component of ``kind`` in use (own or borrowed) offers the optional ``operation``."""
-        offer = self.offers().get(kind)
+        offer = self.components.get(kind)
         return offer is not None and operation in offer.operations
 
     def rules_not_offered(self) -> frozenset[Invariant]:
@@ -152,16 +193,17 @@ class Implementation:
 
     def complete_with(self, reference: Implementation) -> Implementation:
         """Fill every component this implementation leaves out from ``reference``."""
-        filled: dict[str, Any] = {
-            kind: offer
-            for kind, offer in reference.offers().items()
-            if kind not in self.offers() and kind not in reference.extensions
-        }
-        return attrs.evolve(self, borrowed=self.borrowed | frozenset(filled), **filled)
+        filled = {kind: offer for kind, offer in reference.components.items() if kind not in self.components}
+        return attrs.evolve(self, components={**self.components, **filled}, borrowed=self.borrowed | frozenset(filled))
 
     def own_components(self) -> frozenset[str]:
         """The components this implementation brought itself."""
-        return frozenset(self.offers()) - self.borrowed
+        return frozenset(self.components) - self.borrowed
+
+    def without_borrowed(self) -> Implementation:
+        """Only what this implementation brought: what a verdict judges it on."""
+        own = {kind: offer for kind, offer in self.components.items() if kind not in self.borrowed}
+        return attrs.evolve(self, components=own, borrowed=frozenset())
 
     def validate(self) -> Implementation:
         """This record, if usable; else a one-line ``DeclarationError``."""
@@ -169,14 +211,8 @@ class Implementation:
             raise DeclarationError(f"the implementation's name must be a non-empty string, not {self.name!r}")
         if not isinstance(self.conventions, Conventions):
             raise DeclarationError(f"conventions must be a spec.conventions.Conventions, not {self.conventions!r}")
-        offers = self.offers()
-        if not set(offers) - self.borrowed:
+        if not self.own_components():
             raise DeclarationError(f"{self.name} declares no component: nothing of it could be checked")
-        for kind, offer in offers.items():
+        for kind, offer in self.components.items():
             check_offer(kind, offer)
         return self
-
-
-def declared_kinds() -> tuple[str, ...]:
-    """The component kinds kvspec's own layers declare (an ``Implementation`` field each)."""
-    return tuple(field.name for field in attrs.fields(Implementation) if field.name in KINDS)

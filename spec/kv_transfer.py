@@ -1,15 +1,17 @@
 """Layer 4, asynchronous KV transfers: disaggregated prefill and decode, KV connectors, offloading.
 
-Rules (the records, the location table and the model are ``kvspec.spec.scheduler``'s; the optional operation
-``finish_transfer`` of the scheduler kind, ``kv_transfer``, is this module's; vLLM v1's scheduler and its
-``KVConnectorBase_V1`` are the engine shape):
+Rules (the location table is ``kvspec.spec.scheduler``'s, and this module extends that chapter's records and
+model with what transfers add -- ``TransferRequest``, ``TransferGroup``, ``TransferState``, ``TransferModel`` --
+as ``radix_conventions`` extends the radix chapter's; the optional operation ``finish_transfer`` of the scheduler
+kind, ``kv_transfer``, is this module's; vLLM v1's scheduler and its ``KVConnectorBase_V1`` are the engine shape):
 
-* A request may arrive with ``remote_prompt``: its prompt's KV was computed
-  elsewhere (a prefill instance, an offload tier; vLLM's connector answers
-  ``get_num_new_matched_tokens`` with an asynchronous load).  Admission takes
-  it in rank order as a prefill -- the same blocks, the same watermark -- but
-  the blocks become the **landing zone** of a load: the group is *loading*
-  (vLLM's ``WAITING_FOR_REMOTE_KVS``), not ready, and neither decodes nor is
+* A request (a ``TransferRequest``) may arrive with ``remote_prompt``: its
+  prompt's KV was computed elsewhere (a prefill instance, an offload tier;
+  vLLM's connector answers ``get_num_new_matched_tokens`` with an
+  asynchronous load).  Admission takes it in rank order as a prefill -- the
+  same blocks, the same watermark -- but the blocks become the **landing
+  zone** of a load: the group is *loading* (vLLM's
+  ``WAITING_FOR_REMOTE_KVS``), not ready, and neither decodes nor is
   preempted until the load ends.  The step report lists it as admitted and
   as ``loading``; no prompt token is computed.
 * ``finish_transfer(request_id, outcome)`` is the worker's report of a
@@ -64,10 +66,11 @@ Invariants (tier in brackets):
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, cast, runtime_checkable
 
 import attrs
 
+from kvspec.spec import scheduler as chapter
 from kvspec.spec.block_manager import SeqId
 from kvspec.spec.components import optional_operation
 from kvspec.spec.errors import InvalidOperation
@@ -77,6 +80,7 @@ from kvspec.spec.scheduler import (
     Group,
     Memory,
     Model,
+    Request,
     RequestId,
     Scheduler,
     SchedulerState,
@@ -102,6 +106,31 @@ class TransferringScheduler(Scheduler, Protocol):
 KV_TRANSFER = optional_operation("kv_transfer", TransferringScheduler, "finish_transfer", kinds=(SCHEDULER.name,))
 
 
+# -- what this chapter adds to the scheduler's records and model ------------------------
+
+
+@attrs.frozen
+class TransferRequest(Request):
+    """A request whose KV crosses instances: the scheduler's request and where its KV comes from and goes.
+
+    A request of the scheduler chapter's own record transfers nothing: these flags are its defaults.
+    """
+
+    remote_prompt: bool = False  # its prompt's KV was computed elsewhere: admission loads it
+    sends_kv: bool = False  # its KV is sent elsewhere when it finishes: its blocks wait for the send
+
+
+@attrs.frozen
+class TransferGroup(Group):
+    """A ``TransferRequest``'s group: the scheduler's, and whether admission is still to load its prompt's KV.
+
+    The group's, not the request's: once a load ends -- landed, failed or empty -- any later admission (after a
+    recompute, or the failure) computes the prompt here.
+    """
+
+    remote: bool = False
+
+
 @attrs.frozen
 class Transfer:
     """A KV transfer in flight: a load into a request's landing zone, or a send of a finished request's KV; either
@@ -112,31 +141,89 @@ class Transfer:
     seqs: tuple[SeqId, ...]
 
 
+@attrs.frozen
+class TransferState(SchedulerState):
+    """A transferring scheduler's snapshot: the scheduler's, and the transfers in flight, in the order they started.
+
+    Outliving the request they serve (a load under an abort, a send after the finish), the transfers are the
+    chapter's state, not any group's.  A scheduler with none in flight may answer the scheduler's own record:
+    refinement reads the two alike (``kvspec.spec.scheduler.View``).
+    """
+
+    transfers: tuple[Transfer, ...] = ()
+
+
+@attrs.frozen
+class TransferModel(Model):
+    """The spec's scheduler with transfers in flight: a scheduler's model becomes one at its first transfer, so the
+    scheduler chapter's model holds nothing of this one's."""
+
+    transfers: tuple[Transfer, ...] = ()
+
+
+def new_group(request: Request, arrival: int) -> Group:
+    """A request's group as it arrives: a ``TransferRequest``'s is this chapter's, its load to start if its prompt
+    was computed elsewhere."""
+    if isinstance(request, TransferRequest):
+        return TransferGroup(request, arrival, ready=request.ready, remote=request.remote_prompt)
+    return Group(request, arrival, ready=request.ready)
+
+
+def loads_prompt(group: Group) -> bool:
+    """Whether admitting ``group`` loads its prompt's KV, computed elsewhere, rather than compute it."""
+    return isinstance(group, TransferGroup) and group.remote
+
+
+def sends_kv(request: Request) -> bool:
+    return isinstance(request, TransferRequest) and request.sends_kv
+
+
+def transfers_in_flight(state: SchedulerState | Model) -> tuple[Transfer, ...]:
+    """The transfers in flight: none in a state of the scheduler chapter's own record."""
+    return state.transfers if isinstance(state, TransferState | TransferModel) else ()
+
+
+def with_transfers(model: Model, transfers: tuple[Transfer, ...]) -> TransferModel:
+    """``model`` with ``transfers`` in flight: this chapter's model, whichever ``model`` was."""
+    return TransferModel(**(attrs.asdict(model, recurse=False) | {"transfers": transfers}))
+
+
+def abstract(model: Model) -> TransferState:
+    """The model as a transferring scheduler's snapshot reads: the scheduler chapter's, and the transfers in flight."""
+    state = chapter.abstract(model)
+    return TransferState(**attrs.asdict(state, recurse=False), transfers=transfers_in_flight(model))
+
+
+# -- the transitions ----------------------------------------------------------------------
+
+
 def start_load(model: Model, group: Group, report: StepReport) -> tuple[Model, StepReport]:
     """The group's prompt blocks, just written on the GPU, become a load's landing zone: it waits, not ready."""
     rid = group.request.request_id
-    model = attrs.evolve(model, transfers=model.transfers + (Transfer(rid, "load", group.seqs),))
+    model = with_transfers(model, transfers_in_flight(model) + (Transfer(rid, "load", group.seqs),))
     model = relocate(model, attrs.evolve(group, ready=False), "load")
     return model, attrs.evolve(report, loading=report.loading + (rid,))
 
 
 def start_send(model: Model, rid: RequestId, seqs: Sequence[SeqId]) -> Model:
     """A finished request's last sequences stay on the GPU for the send of its KV."""
-    return attrs.evolve(model, transfers=model.transfers + (Transfer(rid, "send", tuple(seqs)),))
+    return with_transfers(model, transfers_in_flight(model) + (Transfer(rid, "send", tuple(seqs)),))
 
 
 def finish_transfer(model: Model, request_id: RequestId, outcome: Outcome) -> Model:
     """The worker reports the end of ``request_id``'s transfer in flight (see the module docstring)."""
     if outcome not in OUTCOMES:
         raise InvalidOperation(f"a transfer ends {' or '.join(OUTCOMES)}, not {outcome!r}")
-    transfer = next((t for t in model.transfers if t.request_id == request_id), None)
+    in_flight = transfers_in_flight(model)
+    transfer = next((t for t in in_flight if t.request_id == request_id), None)
     if transfer is None:
         raise InvalidOperation(f"request {request_id!r} has no KV transfer in flight")
-    model = attrs.evolve(model, transfers=tuple(t for t in model.transfers if t is not transfer))
+    model = with_transfers(model, tuple(t for t in in_flight if t is not transfer))
     owner = next((g for g in model.groups if g.request.request_id == request_id), None)
     if transfer.direction == "send" or owner is None:
         return attrs.evolve(model, gpu=free_all(model.gpu, transfer.seqs))
-    landed = attrs.evolve(owner, ready=True, remote=False)
+    # a load's owner is the group start_load took it for: this chapter's
+    landed = attrs.evolve(cast(TransferGroup, owner), ready=True, remote=False)
     if outcome == "done":
         return relocate(model, landed, "loaded")
     model = release(model, owner)
@@ -166,7 +253,7 @@ def invariant_transfer_blocks_held(in_flight: Mapping[RequestId, Collection[int]
     """``in_flight``: each transfer not yet reported ended, with the GPU blocks its sequences held when it began;
     and each transfer the state lists holds its sequences' tables."""
     pool, tables = state.gpu.pool, state.gpu.tables
-    for transfer in state.transfers:
+    for transfer in transfers_in_flight(state):
         gone = [seq for seq in transfer.seqs if seq not in tables]
         if gone:
             return f"request {transfer.request_id!r}'s {transfer.direction} is in flight, yet the GPU freed {gone}"

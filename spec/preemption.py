@@ -149,7 +149,7 @@ def decode(model: Model, group: Group, report: StepReport) -> tuple[Model, StepR
         gpu, _ = memory(gpu).append(gpu, seq, (sampled_token(rid, seq[1], group.generated),))
     grown = attrs.evolve(group, generated=group.generated + 1)
     finishing = [seq for seq in group.seqs if seq not in grown.seqs]
-    sends = not grown.live and group.request.sends_kv  # the last samples' blocks go to the send of the KV
+    sends = not grown.live and kv_transfer.sends_kv(group.request)  # the last samples' blocks go to the send
     for seq in [] if sends else finishing:
         gpu = memory(gpu).free(gpu, seq)
     model = replace(attrs.evolve(model, gpu=gpu), grown)
@@ -192,13 +192,14 @@ def deadline(arrived_after_step: int, unfinished_at_arrival: int, longest_output
     "safety",
 )
 def invariant_no_leak_across_preemption(state: SchedulerState) -> str | None:
+    in_flight = kv_transfer.transfers_in_flight(state)
     holding = {g.request.request_id for g in state.groups if g.location != "waiting"}
-    holding |= {t.request_id for t in state.transfers}  # a transfer in flight holds its blocks
+    holding |= {t.request_id for t in in_flight}  # a transfer in flight holds its blocks
     for name, manager in devices(state).items():
         stray = sorted({repr(s) for s in manager.tables if not (isinstance(s, tuple) and s[0] in holding)})
         if stray:
             return f"{name} holds sequences {stray} of requests that are waiting, finished or gone"
-        if not state.groups and not state.transfers and manager.pool.num_free != manager.pool.capacity:
+        if not state.groups and not in_flight and manager.pool.num_free != manager.pool.capacity:
             return (
                 f"nothing is unfinished, yet {name} has {manager.pool.capacity - manager.pool.num_free} blocks in use"
             )

@@ -40,7 +40,10 @@ Rules (vLLM §4.5 and §5.2, lecture §6):
   ``finish_transfer``): a request whose prompt was computed elsewhere is
   admitted *loading* -- its blocks the landing zone of a load, it not ready --
   until the load ends; a request that sends its KV on finish leaves its blocks
-  to the send.  A transfer in flight holds its blocks like any table.
+  to the send.  A transfer in flight holds its blocks like any table.  That
+  chapter extends this one's records with what it adds (a request's transfer
+  flags, a group's load still to start, the transfers in flight), so these
+  name none of it; the location table is this chapter's, ``loading`` included.
 * Bad input (duplicate or unknown id, empty prompt, ``n`` or
   ``max_new_tokens`` below 1, ``stops`` other than ``n`` lengths in
   1..``max_new_tokens``, marking a ready or loading request ready) raises
@@ -73,7 +76,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -83,9 +86,6 @@ from kvspec.spec.components import component_kind
 from kvspec.spec.errors import InvalidOperation
 from kvspec.spec.invariants import invariant, refinement
 from kvspec.spec.prefix_cache import CachingManager
-
-if TYPE_CHECKING:
-    from kvspec.spec.kv_transfer import Transfer
 
 RequestId = int
 Preemption = Literal["swap", "recompute"]
@@ -127,8 +127,6 @@ class Request:
     priority: int = 0  # under the priority policy, lower runs first
     ready: bool = True  # False: it waits on something outside the scheduler until ``mark_ready``
     stops: tuple[int, ...] = attrs.field(default=(), converter=as_tokens)  # each sample's output length
-    remote_prompt: bool = False  # its prompt's KV was computed elsewhere: admission loads it (kv_transfer)
-    sends_kv: bool = False  # its KV is sent elsewhere when it finishes: its blocks wait for the send (kv_transfer)
 
     def output_length(self, sample: int) -> int:
         """The tokens sample ``sample`` generates: up to its stop token, else ``max_new_tokens``."""
@@ -156,7 +154,6 @@ class Group:
     generated: int = 0
     preemptions: int = 0
     ready: bool = True
-    remote: bool = False  # its prompt's KV is still to be loaded from elsewhere
 
     @property
     def live(self) -> tuple[int, ...]:
@@ -186,7 +183,6 @@ class SchedulerState:
     gpu: ManagerState
     cpu: ManagerState
     queue: tuple[RequestId, ...] | None = None  # the groups not running, as admission takes them (None: not told)
-    transfers: tuple[Transfer, ...] = ()  # KV transfers in flight, in the order they started
 
 
 @attrs.frozen
@@ -277,7 +273,6 @@ class Model:
     arrived: tuple[RequestId, ...] = ()
     groups: tuple[Group, ...] = ()
     finished: tuple[RequestId, ...] = ()
-    transfers: tuple[Transfer, ...] = ()
 
 
 def memory(device: Memory) -> ModuleType:
@@ -318,7 +313,6 @@ def abstract(model: Model) -> SchedulerState:
         model.finished,
         **devices,
         queue=queue,
-        transfers=model.transfers,
     )
 
 
@@ -376,7 +370,12 @@ def queued(model: Model) -> list[Group]:
 
 @attrs.frozen
 class View:
-    """What refinement compares: everything but which physical blocks hold what."""
+    """What refinement compares: everything but which physical blocks hold what.
+
+    ``extension`` is what a later chapter's snapshot adds to ``SchedulerState`` (``kvspec.spec.kv_transfer``'s
+    transfers in flight), field by field: refinement compares it without this chapter naming it.  A field at its
+    default is left out: it shows nothing of that chapter, as a snapshot of this chapter's own record shows nothing.
+    """
 
     config: SchedulerConfig
     steps: int
@@ -387,7 +386,7 @@ class View:
     cpu_tokens: Mapping[SeqId, tuple[int, ...]]
     gpu_blocks_in_use: int
     cpu_blocks_in_use: int
-    transfers: tuple[Transfer, ...]
+    extension: Mapping[str, object]
 
 
 def view(state: SchedulerState) -> View:
@@ -401,8 +400,15 @@ def view(state: SchedulerState) -> View:
         cpu_tokens=dict(state.cpu.tokens),
         gpu_blocks_in_use=state.gpu.pool.capacity - state.gpu.pool.num_free,
         cpu_blocks_in_use=state.cpu.pool.capacity - state.cpu.pool.num_free,
-        transfers=state.transfers,
+        extension=extension(state),
     )
+
+
+def extension(state: SchedulerState) -> dict[str, object]:
+    """The fields a later chapter's snapshot adds, by name, those at their default left out (``View``)."""
+    own = attrs.fields_dict(SchedulerState)
+    added = (field for field in attrs.fields(type(state)) if field.name not in own)
+    return {field.name: getattr(state, field.name) for field in added if getattr(state, field.name) != field.default}
 
 
 def devices(state: SchedulerState) -> dict[str, ManagerState]:

@@ -25,7 +25,7 @@ import attrs
 
 from kvspec.spec.components import Offer, every_operation
 from kvspec.spec.conventions import REFERENCE, Conventions
-from kvspec.spec.implementation import Implementation, declared_kinds
+from kvspec.spec.implementation import Implementation
 from kvspec.spec.invariants import Invariant
 
 
@@ -55,13 +55,9 @@ def member(
     caught_by: Iterable[tuple[Invariant, str]] = (),
     **components: Callable[..., Any] | None,
 ) -> Member:
-    """A broken implementation: ``components`` (None: the reference's), each offering every optional operation;
-    a component of a kind ``Implementation`` has no field for is one of its ``extensions``."""
-    offers: dict[str, Any] = {kind: Offer(f, every_operation(kind)) for kind, f in components.items() if f is not None}
-    kvspec_kinds = declared_kinds()
-    fields = {kind: offer for kind, offer in offers.items() if kind in kvspec_kinds}
-    extensions = {kind: offer for kind, offer in offers.items() if kind not in fields}
-    return Member(name=name, conventions=conventions, caught_by=caught_by, extensions=extensions, **fields)
+    """A broken implementation: ``components`` (None: the reference's), each offering every optional operation."""
+    offers = {kind: Offer(f, every_operation(kind)) for kind, f in components.items() if f is not None}
+    return Member(name=name, components=offers, conventions=conventions, caught_by=caught_by)
 
 
 def members(kind: str, machine: str, **shared: Callable[..., Any]) -> Callable[..., Member]:

@@ -90,5 +90,8 @@ class SwapPairsSortedBlocks(PagedKVCache):
 swap_pairs_sorted_blocks = cache(
     "swap pairs sorted source and destination blocks",
     SwapPairsSortedBlocks,
-    also=[(invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute")],
+    also=[
+        (invariant_paged_equals_contiguous, "paged attention: hits, swap, recompute"),
+        (invariant_paged_equals_contiguous, "scheduler: paged = contiguous logits"),
+    ],
 )

@@ -71,7 +71,7 @@ from kvspec.spec.components import Offer
 from kvspec.spec.implementation import Implementation
 from kvspec.spec.prefix_cache import PrefixCachingManager
 from kvspec.spec.scheduler import Request, RequestId, sampled_token
-from kvspec.spec.scheduler_v1 import PRIORITY, TOKEN_BUDGET_SCHEDULER, BudgetConfig, BudgetReport, BudgetState, Entry
+from kvspec.spec.scheduler_v1 import PRIORITY, BudgetConfig, BudgetReport, BudgetState, Entry
 
 VERSION = "0.33.0"
 TINY_LLAMA = {  # all ModelConfig reads: no weights, no tokenizer
@@ -277,7 +277,7 @@ def factory() -> Implementation:
     scheduler_engine()  # fail here, with the engine's ImportError, when vLLM is not installed
     offer = Offer(VllmBudgetScheduler, operations={PRIORITY})
     name = f"vLLM {engine_version()} v1 Scheduler"
-    return Implementation(name=name, conventions=CONVENTIONS, extensions={TOKEN_BUDGET_SCHEDULER.name: offer})
+    return Implementation(name=name, conventions=CONVENTIONS, token_budget_scheduler=offer)
 
 
 def engine_version() -> str:

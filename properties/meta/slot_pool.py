@@ -39,8 +39,8 @@ class CountsItsSlots(SlotPool):
 
 
 def factory() -> Implementation:
-    return Implementation(name="example slot pool", extensions={"slot_pool": Offer(SlotPool)})
+    return Implementation(name="example slot pool", slot_pool=Offer(SlotPool))
 
 
 def broken_factory() -> Implementation:
-    return Implementation(name="example slot pool, broken", extensions={"slot_pool": Offer(CountsItsSlots)})
+    return Implementation(name="example slot pool, broken", slot_pool=Offer(CountsItsSlots))

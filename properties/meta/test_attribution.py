@@ -52,7 +52,7 @@ def changes_its_answer() -> Implementation:
 
 
 def test_an_implementation_answering_the_same_calls_differently_is_its_own_finding() -> None:
-    verdict = conformance.run_conformance(f"{__name__}:racy", layers=["block pool"])
+    verdict = conformance.run_conformance(f"{__name__}:racy", titled=["block pool"])
     tiers = [v.tier for v in verdict.violations]  # its answers differ from the model's too, now and then
     assert "nondeterministic" in tiers and "harness" not in tiers, str(verdict)
     finding = next(v for v in verdict.violations if v.tier == "nondeterministic")
@@ -60,5 +60,5 @@ def test_an_implementation_answering_the_same_calls_differently_is_its_own_findi
 
 
 def test_an_example_hypothesis_ends_itself_files_nothing_of_kvspecs() -> None:
-    verdict = conformance.run_conformance(f"{__name__}:changes_its_answer", layers=["block pool"])
+    verdict = conformance.run_conformance(f"{__name__}:changes_its_answer", titled=["block pool"])
     assert {v.invariant for v in verdict.violations} == {"invariant_answer_not_changed_later"}, str(verdict)

@@ -663,7 +663,7 @@ PYTEST_SLIDING_WINDOW += ["kvspec.properties.test_sliding_window", "-k", "TestSl
 @pytest.mark.parametrize(
     "entry_point",
     [
-        ["-c", "import kvspec; kvspec.run_conformance('kvspec.impl:reference', layers=['sliding-window'])"],
+        ["-c", "import kvspec; kvspec.run_conformance('kvspec.impl:reference', titled=['sliding-window'])"],
         [*PYTEST_SLIDING_WINDOW, "--collect-only"],  # Hypothesis's plugin caches its constants at collection
         [*PYTEST_SLIDING_WINDOW, "-p", "no:hypothesispytest"],  # without it, at the first test's run
     ],

@@ -87,15 +87,33 @@ class Misspelt(BlockPoolMachine):
 """
 
 
-def test_mypy_catches_a_misspelt_optional_operation(tmp_path: Path) -> None:
+MISBUILT = """
+from kvspec.properties.test_block_pool import BlockPoolMachine
+
+
+class Misbuilt(BlockPoolMachine):
+    def build(self) -> None:
+        self.implementation.block_pool(4)
+"""
+
+
+@pytest.mark.parametrize(
+    ("source", "error"),
+    [
+        (MISSPELT, 'Module has no attribute "REGISTER_BLOCK"'),
+        (MISBUILT, "Too few arguments"),  # a component built otherwise than its kind declares
+    ],
+    ids=["a misspelt operation", "a component built with the wrong arguments"],
+)
+def test_mypy_catches_a_misspelt_operation_and_a_misbuilt_component(tmp_path: Path, source: str, error: str) -> None:
     pytest.importorskip("mypy")
-    source = tmp_path / "misspelt.py"
-    source.write_text(MISSPELT)
+    path = tmp_path / "machine.py"
+    path.write_text(source)
     checked = subprocess.run(
-        [sys.executable, "-m", "mypy", "--no-incremental", "--follow-imports=silent", str(source)],
+        [sys.executable, "-m", "mypy", "--no-incremental", "--follow-imports=silent", str(path)],
         capture_output=True,
         text=True,
         cwd=Path(kvspec.__file__).parents[1],  # the repository: mypy follows no import hook of an editable install
     )
     assert checked.returncode == 1, checked.stdout
-    assert 'Module has no attribute "REGISTER_BLOCK"' in checked.stdout, checked.stdout
+    assert error in checked.stdout, checked.stdout

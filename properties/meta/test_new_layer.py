@@ -53,14 +53,14 @@ TestSlots = conformance_test(SlotMachine, "request slots")
 
 
 def test_the_example_conforms() -> None:
-    verdict = kvspec.run_conformance(slot_pool.factory, layers=["request slots"], machines=[TestSlots])
+    verdict = kvspec.run_conformance(slot_pool.factory, titled=["request slots"], machines=[TestSlots])
     assert verdict.conforms, str(verdict)
     rows = {rule.invariant: rule.verdict for rule in verdict.rules if rule.layer == "request_slots"}
     assert rows == {"invariant_slot_held_once": "held", "invariant_slots_refine_spec": "held"}, rows
 
 
 def test_the_broken_member_is_caught_by_safety() -> None:
-    verdict = kvspec.run_conformance(slot_pool.broken_factory, layers=["request slots"], machines=[TestSlots])
+    verdict = kvspec.run_conformance(slot_pool.broken_factory, titled=["request slots"], machines=[TestSlots])
     assert not verdict.conforms
     assert "invariant_slot_held_once" in {v.invariant for v in verdict.violations if v.tier == "safety"}, str(verdict)
 

@@ -50,10 +50,10 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("layers", [["blok pool"], []])
-def test_a_layer_word_that_names_no_machine_is_a_usage_error(layers: list[str]) -> None:
+@pytest.mark.parametrize("titled", [["blok pool"], []])
+def test_a_word_that_names_no_machine_is_a_usage_error(titled: list[str]) -> None:
     with pytest.raises(UsageError):
-        conformance.run_conformance("kvspec.impl:reference", layers=layers)
+        conformance.run_conformance("kvspec.impl:reference", titled=titled)
 
 
 def test_an_unknown_profile_is_a_usage_error() -> None:
@@ -74,7 +74,7 @@ def test_an_unknown_profile_is_a_usage_error() -> None:
 )
 def test_an_unusable_declaration_is_an_adapter_error(declared: dict[str, object]) -> None:
     with pytest.raises(AdapterError):
-        conformance.run_conformance(lambda: Implementation(name="user's", **declared), layers=["block pool"])  # type: ignore[arg-type]
+        conformance.run_conformance(lambda: Implementation(name="user's", **declared), titled=["block pool"])  # type: ignore[arg-type]
 
 
 ADAPTER_ERRORS = {
@@ -169,7 +169,7 @@ def test_ctrl_c_keeps_the_verdict_of_what_ran() -> None:
             raise KeyboardInterrupt
 
     found = conformance.run_conformance(
-        "kvspec.impl.broken.block_pool:leaks_on_free", layers=["block pool"], progress=interrupt_at_the_second
+        "kvspec.impl.broken.block_pool:leaks_on_free", titled=["block pool"], progress=interrupt_at_the_second
     )
     assert found.interrupted and found.status == conformance.VIOLATED
     assert [m.ended for m in found.machines][-1] == "interrupted"
@@ -184,7 +184,7 @@ def test_ctrl_c_before_any_finding_is_interrupted_never_conforms(monkeypatch: py
             raise KeyboardInterrupt
 
     found = conformance.run_conformance(
-        "kvspec.impl:reference", layers=["block pool (1,024", "sliding-window"], progress=interrupt_at_the_second
+        "kvspec.impl:reference", titled=["block pool (1,024", "sliding-window"], progress=interrupt_at_the_second
     )
     assert (found.status, found.conforms, found.exit_status) == (conformance.INTERRUPTED, None, 130)
     assert [m.ended for m in found.machines] == ["nothing new", "interrupted"] and found.counted == 1
@@ -194,7 +194,7 @@ def test_ctrl_c_before_any_finding_is_interrupted_never_conforms(monkeypatch: py
     def interrupt_at_once(line: str) -> None:
         raise KeyboardInterrupt
 
-    nothing = conformance.run_conformance("kvspec.impl:reference", layers=["block pool"], progress=interrupt_at_once)
+    nothing = conformance.run_conformance("kvspec.impl:reference", titled=["block pool"], progress=interrupt_at_once)
     assert nothing.status == conformance.INTERRUPTED and nothing.not_started == ("block pool (1,024 blocks)",)
 
 

@@ -17,12 +17,12 @@ from kvspec.impl.radix_cache import RadixCache
 from kvspec.properties.loading import AdapterError
 from kvspec.spec.implementation import Implementation
 
-LAYERS = ["radix = chained hash", "paged attention logits"]  # two short machines: one to each worker
+TITLES = ["radix = chained hash", "paged attention logits"]  # two short machines: one to each worker
 
 
 def test_the_verdict_of_two_workers_is_the_verdict_of_one_process() -> None:
-    alone = conformance.run_conformance("kvspec.impl:reference", layers=LAYERS, jobs=1)
-    shared = conformance.run_conformance("kvspec.impl:reference", layers=LAYERS, jobs=2)
+    alone = conformance.run_conformance("kvspec.impl:reference", titled=TITLES, jobs=1)
+    shared = conformance.run_conformance("kvspec.impl:reference", titled=TITLES, jobs=2)
     assert alone.status == "CONFORMS" and sum(rule.checks for rule in alone.rules) > 1000
     assert shared.to_json() == alone.to_json()  # every check counted alike: the same examples drawn
 
@@ -30,7 +30,7 @@ def test_the_verdict_of_two_workers_is_the_verdict_of_one_process() -> None:
 def test_a_factory_that_cannot_be_sent_to_a_worker_is_the_adapters_error_in_one_line() -> None:
     with pytest.raises(AdapterError, match=r"cannot be sent to worker processes .*\(jobs=1\)$"):
         conformance.run_conformance(
-            lambda: Implementation(name="a lambda", radix_cache=RadixCache), layers=LAYERS, jobs=2
+            lambda: Implementation(name="a lambda", radix_cache=RadixCache), titled=TITLES, jobs=2
         )
 
 
@@ -39,7 +39,7 @@ def test_an_adapter_a_worker_cannot_import_is_the_adapters_error(monkeypatch: py
     only_here.factory = lambda: Implementation(name="only here", radix_cache=RadixCache)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, only_here.__name__, only_here)
     with pytest.raises(AdapterError, match="cannot import 'kvspec_only_in_this_process'"):
-        conformance.run_conformance(f"{only_here.__name__}:factory", layers=LAYERS, jobs=2)
+        conformance.run_conformance(f"{only_here.__name__}:factory", titled=TITLES, jobs=2)
 
 
 class EndsItsWorker(RadixCache):
@@ -57,7 +57,7 @@ def ends_its_worker() -> Implementation:
 
 def test_a_worker_the_implementation_kills_is_the_adapters_error_not_a_hang() -> None:
     with pytest.raises(AdapterError, match="a worker process died while judging machine"):
-        conformance.run_conformance(f"{__name__}:ends_its_worker", layers=LAYERS, jobs=2)
+        conformance.run_conformance(f"{__name__}:ends_its_worker", titled=TITLES, jobs=2)
 
 
 def children_of(pid: int) -> set[int]:

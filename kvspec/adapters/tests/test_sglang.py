@@ -82,7 +82,7 @@ def test_sglang_trusts_its_caller_with_an_unlock_underflow(sglang_implementation
 
 
 def test_sglang_verdict_safety_held_three_caller_contract_findings() -> None:
-    verdict = run_conformance("kvspec.adapters.sglang:factory", layers=["radix"], profile="ci")
+    verdict = run_conformance("kvspec.adapters.sglang:factory", titled=["radix"], profile="ci")
     assert verdict.conforms, str(verdict)
     assert not [v for v in verdict.violations if v.tier != "caller contract"], str(verdict)
     assert caller_contract_operations(verdict) == {"evict", "insert", "unlock"}
@@ -93,7 +93,7 @@ def test_sglang_verdict_safety_held_three_caller_contract_findings() -> None:
 
 def test_sglang_verdict_with_pages_of_two_tokens() -> None:
     """Pages drawn from the declared page size: keys cut to whole pages, matched and evicted page by page."""
-    verdict = run_conformance(sglang.factory_with_page_size(2), layers=["radix cache"], profile="ci")
+    verdict = run_conformance(sglang.factory_with_page_size(2), titled=["radix cache"], profile="ci")
     assert verdict.conventions.radix.page_size == 2
     assert verdict.conforms, str(verdict)
     assert not [v for v in verdict.violations if v.tier != "caller contract"], str(verdict)

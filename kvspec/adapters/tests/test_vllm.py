@@ -86,7 +86,7 @@ def test_vllm_trusts_its_caller_with_a_double_free(vllm_implementation: Implemen
 
 
 def test_vllm_verdict_safety_held_five_caller_contract_findings() -> None:
-    verdict = run_conformance("kvspec.adapters.vllm:factory", layers=["block pool"], profile="ci")
+    verdict = run_conformance("kvspec.adapters.vllm:factory", titled=["block pool"], profile="ci")
     assert verdict.conforms, str(verdict)
     assert not [v for v in verdict.violations if v.tier != "caller contract"], str(verdict)
     assert caller_contract_operations(verdict) == {"allocate", "evict", "register", "release", "share"}
