@@ -413,6 +413,9 @@ def invariant_copy_on_write_exact(expected: Sequence[tuple[int, int]], actual: S
 @invariant(
     "lecture exercise 4: n samples sharing a half-full block copy it n-1 times, never when blocks are full",
     "convention",
+    fails_only_with="the samples' copies are their forks' allocations and their writes' copies: a count off the "
+    "lecture's is a fork that allocates otherwise than its convention (invariant_fork_allocates_nothing) or a "
+    "write that copies otherwise (invariant_copy_on_write_exact)",
     needs=(FORK,),
 )
 def invariant_parallel_sampling_copies(n: int, prompt_len: int, block_size: int, copies: int) -> str | None:

@@ -121,7 +121,6 @@ copies_full_blocks_at_fork = manager(
     "the fork copies full blocks too",
     CopiesFullBlocksAtFork,
     spec.invariant_fork_allocates_nothing,
-    spec.invariant_parallel_sampling_copies,
     conventions=COPIES_AT_FORK,
 )
 
