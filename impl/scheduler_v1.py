@@ -24,13 +24,14 @@ from kvspec.spec.scheduler_v1 import (
     BudgetState,
     Entry,
     Place,
+    Tracked,
     check_config,
     check_fits_alone,
 )
 
 
 @attrs.define
-class Slot:
+class Slot(Tracked):
     """A request as the scheduler tracks it: its tokens grow as it samples."""
 
     request: Request
@@ -40,14 +41,6 @@ class Slot:
     computed: int = 0
     generated: int = 0
     preemptions: int = 0
-
-    @property
-    def request_id(self) -> RequestId:
-        return self.request.request_id
-
-    @property
-    def seq(self) -> tuple[RequestId, int]:
-        return (self.request.request_id, 0)
 
     @property
     def rank(self) -> tuple[int, int]:

@@ -89,16 +89,12 @@ class BudgetConfig:
     policy: QueuePolicy = "fcfs"
 
 
-@attrs.frozen
-class Entry:
-    """An unfinished request as the scheduler tracks it."""
+class Tracked:
+    """What is read of a request the scheduler tracks, whichever record holds it (the spec's ``Entry``, an
+    implementation's own): its id, and its one sequence (``n`` is 1)."""
 
+    __slots__ = ()
     request: Request
-    arrival: int
-    place: Place = "waiting"
-    computed: int = 0  # tokens whose KV is written
-    generated: int = 0
-    preemptions: int = 0
 
     @property
     def request_id(self) -> RequestId:
@@ -107,6 +103,18 @@ class Entry:
     @property
     def seq(self) -> SeqId:
         return (self.request.request_id, 0)
+
+
+@attrs.frozen
+class Entry(Tracked):
+    """An unfinished request as the scheduler tracks it."""
+
+    request: Request
+    arrival: int
+    place: Place = "waiting"
+    computed: int = 0  # tokens whose KV is written
+    generated: int = 0
+    preemptions: int = 0
 
     def tokens(self) -> tuple[int, ...]:
         sampled = (sampled_token(self.request_id, 0, i) for i in range(self.generated))
