@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import attrs
@@ -117,6 +118,19 @@ def watch_plans(manager: Any, plans: list[tuple[Any, int]]) -> None:
 
 GPU_BLOCKS, WATERMARKS = st.integers(3, 8), st.integers(0, 2)
 FAILURES: st.SearchStrategy[LoadFailure] = st.sampled_from(["recompute", "abort"])  # what a failed load does
+
+
+def opening(gpu_blocks: st.SearchStrategy[int]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A lockstep scheduler machine's ``@initialize``: the devices' sizes, the watermark and what a failed load
+    does, drawn alike for every machine but the GPU's size (a machine's opening may need room)."""
+    return initialize(
+        cpu_blocks=CPU_BLOCKS,
+        block_size=BLOCK_SIZES,
+        gpu_blocks=gpu_blocks,
+        watermark=WATERMARKS,
+        load_failure=FAILURES,
+        data=st.data(),
+    )
 
 
 class SchedulerMachineBase(LockstepMachine):
@@ -278,14 +292,7 @@ class SchedulerMachineBase(LockstepMachine):
 class LockstepSchedulerMachine(SchedulerMachineBase):
     """Lockstep with the model."""
 
-    @initialize(
-        cpu_blocks=CPU_BLOCKS,
-        block_size=BLOCK_SIZES,
-        gpu_blocks=GPU_BLOCKS,
-        watermark=WATERMARKS,
-        load_failure=FAILURES,
-        data=st.data(),
-    )
+    @opening(GPU_BLOCKS)
     def start(
         self,
         gpu_blocks: int,
@@ -541,14 +548,7 @@ class SwapSchedulerMachine(SchedulerMachine):
     finish_apart: ClassVar[bool] = True
     requires = {"scheduler": frozenset({SWAP_PREEMPTION}), "block_manager": frozenset({swap.SWAP})}
 
-    @initialize(
-        cpu_blocks=CPU_BLOCKS,
-        block_size=BLOCK_SIZES,
-        gpu_blocks=st.integers(6, 8),
-        watermark=WATERMARKS,
-        load_failure=FAILURES,
-        data=st.data(),
-    )
+    @opening(st.integers(6, 8))  # the opening's request and group each need the GPU alone
     def start(
         self,
         gpu_blocks: int,
