@@ -14,7 +14,7 @@ from kvspec.spec.block_manager import blocks_for, check_block_size
 from kvspec.spec.block_pool import BlockPool
 from kvspec.spec.conventions import WindowConventions
 from kvspec.spec.errors import InvalidOperation, OutOfBlocks
-from kvspec.spec.sliding_window import SeqId, Table, WindowState, ring_blocks, window_start
+from kvspec.spec.sliding_window import SeqId, Table, WindowState, first_in_window, ring_blocks
 
 
 class SlidingWindowManager:
@@ -70,9 +70,7 @@ class SlidingWindowManager:
         self._lengths[seq] = length
 
     def _first_in_window(self, length: int) -> int:
-        """The first logical block ``spec.in_window`` keeps at ``length`` tokens: it holds from there on, as
-        ``(i + 1) * block_size > window_start`` does."""
-        return max(0, window_start(length, self._window, self.conventions.window_of) // self._block_size)
+        return first_in_window(length, self._block_size, self._window, self.conventions.window_of)
 
     def _slid_out(self, table: list[int | None], length: int) -> list[int]:
         """The entries of ``table`` that name a block outside the window of ``length`` tokens.  The window only

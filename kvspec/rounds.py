@@ -257,7 +257,7 @@ def violation_of(
     contract = finding.tier == "caller contract"
     operation, variant = (finding.operation, finding.variant) if contract else ("", "")
     consequences = tuple(Consequence(r.name, r.tier, detail) for r, detail in finding.consequences)
-    offer = implementation.offers().get(kind_of(implementation, operation)) if operation else None
+    offer = implementation.components.get(kind_of(implementation, operation)) if operation else None
     emulated = bool(offer and operation in offer.emulated)
     violation = Violation(
         name, finding.tier, operation, finding.detail, (machine,), finding.steps, consequences, variant=variant
@@ -286,7 +286,7 @@ def illustration(violation: Violation, rank: int) -> tuple[int, bool, int]:
 def kind_of(implementation: Implementation, operation: str) -> str:
     """The component kind whose method ``operation`` is, among those the implementation brought."""
     for kind in sorted(implementation.own_components()):
-        if hasattr(implementation.offers()[kind].factory, operation):
+        if hasattr(implementation.components[kind].factory, operation):
             return kind
     return ""
 

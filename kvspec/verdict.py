@@ -304,7 +304,7 @@ def describe(conventions: Conventions) -> str:
 def declaration_lines(implementation: Implementation) -> tuple[str, ...]:
     """One line per component this implementation brought: its factory, optional operations, emulations."""
     lines = []
-    for kind, offer in sorted(implementation.offers().items()):
+    for kind, offer in sorted(implementation.components.items()):
         if kind in implementation.borrowed:
             continue
         operations = ", ".join(sorted(map(str, offer.operations))) or "none"

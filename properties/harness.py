@@ -204,7 +204,7 @@ class LockstepMachine(RuleBasedStateMachine):
     @classmethod
     def not_offered(cls, implementation: Implementation) -> str:
         """Why this machine cannot run against ``implementation`` ("" when it can)."""
-        absent = sorted(kind for kind in cls.uses if kind not in implementation.offers())
+        absent = sorted(kind for kind in cls.uses if kind not in implementation.components)
         if absent:
             return f"not offered: no {', '.join(absent)}"
         missing = [

@@ -219,7 +219,7 @@ TestHierarchicalRadix = conformance_test(HierarchicalRadixMachine, "hierarchical
 def test_a_demoted_prefix_is_a_host_hit_loaded_back(kv_implementation: Implementation) -> None:
     """A prompt written through and landed is demoted by eviction; met again it is a host hit, loaded back into
     new device slots, whose KV is the host copy's once the load lands."""
-    if KIND not in kv_implementation.offers():
+    if KIND not in kv_implementation.components:
         pytest.skip(f"{kv_implementation.name} offers no {KIND}")
     cache: HierarchicalRadixCache = kv_implementation.component(KIND)(4)
     assert cache.insert([1, 2, 3], [10, 20, 30]) == 0

@@ -166,10 +166,6 @@ class Implementation:
     def radix_page_manager(self) -> Offer[[int, int], RadixPageManager]:
         return self.component("radix_page_manager")
 
-    def offers(self) -> Mapping[str, AnyOffer]:
-        """Every component this record holds (its own and borrowed), by kind."""
-        return self.components
-
     def component(self, kind: str) -> AnyOffer:
         """The offer of the kind named ``kind``."""
         offer = self.components.get(kind)

@@ -148,8 +148,13 @@ def window_start(length: int, window: int, window_of: str = "last_token") -> int
     return length - window + (window_of == "next_token")
 
 
+def first_in_window(length: int, block_size: int, window: int, window_of: str = "last_token") -> int:
+    """The first logical block in the window of a sequence of ``length`` tokens: the one holding its start."""
+    return max(0, window_start(length, window, window_of) // block_size)
+
+
 def in_window(index: int, length: int, block_size: int, window: int, window_of: str = "last_token") -> bool:
-    return (index + 1) * block_size > window_start(length, window, window_of)
+    return index >= first_in_window(length, block_size, window, window_of)
 
 
 def holders(tables: Mapping[SeqId, Table]) -> Counter[int]:
