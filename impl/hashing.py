@@ -51,6 +51,7 @@ class _TokenCodes(dict[int, bytes]):
 
 _TOKEN_CODES = _TokenCodes()
 _INT = {int}
+_NO_EXTRA_KEY = encode(None)  # most blocks have none: no need to check and encode it each time
 
 
 def encode_tokens(tokens: Sequence[int]) -> bytes:
@@ -63,7 +64,7 @@ def encode_tokens(tokens: Sequence[int]) -> bytes:
 def hash_block(parent: BlockHash, tokens: Sequence[int], extra_key: ExtraKey = None) -> BlockHash:
     digest = hashlib.blake2b(parent, digest_size=16)
     digest.update(encode_tokens(tokens))
-    digest.update(b"N" if extra_key is None else encode(check_extra_key(extra_key)))
+    digest.update(_NO_EXTRA_KEY if extra_key is None else encode(check_extra_key(extra_key)))
     return digest.digest()
 
 

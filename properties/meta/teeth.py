@@ -22,7 +22,7 @@ from hypothesis import settings as Settings
 
 from kvspec import conformance, rounds
 from kvspec.impl import broken
-from kvspec.impl.broken import Catch
+from kvspec.impl.broken import Catch, Member
 from kvspec.properties import suite
 from kvspec.properties.harness import LockstepMachine
 from kvspec.properties.loading import load_implementation
@@ -38,10 +38,8 @@ def zoo() -> list[tuple[str, Catch]]:
     declared = []
     for module_info in pkgutil.iter_modules(broken.__path__):
         module = importlib.import_module(f"{broken.__name__}.{module_info.name}")
-        factories = ((name, value) for name, value in sorted(vars(module).items()) if not isinstance(value, type))
-        for name, factory in factories:  # a class (``Member``, imported) has ``caught_by`` as a field, not claims
-            for catch in getattr(factory, "caught_by", ()):
-                declared.append((f"{module.__name__}:{name}", catch))
+        members = ((name, value) for name, value in sorted(vars(module).items()) if isinstance(value, Member))
+        declared += [(f"{module.__name__}:{name}", catch) for name, member in members for catch in member.caught_by]
     return declared
 
 
