@@ -70,17 +70,6 @@ for title, module, build in bench_store.ENGINES.values():
 json.dump(rows, sys.stdout)
 """
 BELOW_TARGET: dict[str, str] = {  # the beginning of "area: measure" -> why the row misses its target, as last measured
-    "engines: SGLang RadixCache: evict the whole tree": "the answer is one flat tuple of every value evicted (the "
-    "protocol's): building it takes a reference to every value's int, and dropping it gives each back, where "
-    "SGLang hands its allocator each leaf's tensor uncopied -- per token against per leaf (a node's key and values "
-    "are views, so freeing it touches no token); memory-bound, the ratio also falls when other work shares the cache",
-    "engines: SGLang RadixCache: evict a request's worth": "each call answers a flat tuple of the values it evicted "
-    "(a reversed slice of each leaf's, joined when it takes several), per token, where SGLang hands its allocator "
-    "each whole leaf's tensor -- and at 2,048 tokens a request holds few enough leaves that heaping them all each "
-    "call costs little (trimming a leaf is O(1): its key and values are views)",
-    "engines: HF continuous batching: admit": "about 1.2x measured alone (lowest run 1.03x): the reference's append "
-    "also keeps each token in its slot (the KV store's stand-in), which HF leaves to its forward pass, so other work "
-    "on the machine can tip so thin a margin",
     "step share: ": "Hypothesis's cost a step grows with the choices a machine draws (16 to 49 a step against the "
     "empty machine's 6: rule choice, swarm flags, a data.draw copying random's state twice, longer sequences to "
     "mutate); the machines' draws, the spec's invariant groups and snapshots at realistic sizes outweigh the harness "

@@ -78,7 +78,15 @@ class BlockManager:
 
     def append(self, seq: SeqId, tokens: Sequence[int]) -> WritePlan:
         tokens = checked_tokens(tokens, allow_empty=True)
-        self._table(seq)
+        table, size = self._table(seq), self._block_size
+        offset = len(self._tokens[seq]) % size
+        if len(tokens) == 1 and offset and not self._needs_copy(seq):  # a decode step into its own partial block
+            block = table[-1]
+            self._contents[block][offset:] = tokens
+            self._tokens[seq] += tokens
+            if offset + 1 == size:
+                self._block_filled(seq, len(table) - 1)
+            return WritePlan(slots=((block, offset),))
         copies_last_block = bool(tokens) and bool(self._needs_copy(seq))
         self._ensure_room(self._blocks_needed(seq, len(tokens)) + copies_last_block)
         return self._write(seq, tokens, copies_last_block)

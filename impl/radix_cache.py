@@ -19,8 +19,9 @@ times what it caches).  Keys are compared a node at a time by C-level slice
 comparison (a binary search finds where a key leaves a node).  A key or values
 list is checked in C (a long one through ``array("Q")``); a ``Tokens`` is
 checked once, when it is made, as SGLang makes a request's ``RadixKey`` once,
-and hashes once (a lock looks its key up).  Eviction answers its values with
-one reversed slice of each leaf's.  The eviction heap lives as long as the tree: a node is
+and hashes once (a lock looks its key up).  Eviction answers its values as a view
+(``EvictedValues``) over each leaf's run of them, as SGLang hands its allocator each
+leaf's tensor: it copies no value.  The eviction heap lives as long as the tree: a node is
 pushed whenever it may have become the least recently used unlocked leaf
 (created, touched, unlocked, or left childless), and an entry is checked when
 it reaches the top -- a stale one (the node since touched, locked, extended or
@@ -34,7 +35,7 @@ import heapq
 import itertools
 from array import array
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -103,6 +104,50 @@ def _shared(key: Key, depth: int, node_key: Key) -> int:
         else:
             high = middle
     return low
+
+
+class EvictedValues(Sequence[int]):
+    """What an eviction gave up, deepest token first: a view over the run of each leaf's stored values it took, in
+    the order taken.  A node's values are immutable tuples (a node trimmed later takes a new run of them), so the
+    view never changes; it reads, compares, hashes and prints as the tuple of its values."""
+
+    __slots__ = ("_runs", "_length", "_values")
+
+    def __init__(self, runs: list[tuple[tuple[int, ...], int, int]], length: int) -> None:
+        self._runs = runs  # (stored, start, end): the values stored[start:end], read from the end back
+        self._length = length
+        self._values: tuple[int, ...] | None = None
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[int]:
+        for stored, start, end in self._runs:
+            yield from stored[end - 1 : start - 1 if start else None : -1]
+
+    def __reversed__(self) -> Iterator[int]:
+        for stored, start, end in reversed(self._runs):
+            yield from stored[start:end]
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.values[index]
+
+    @property
+    def values(self) -> tuple[int, ...]:
+        if self._values is None:
+            self._values = tuple(self)
+        return self._values
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, EvictedValues | tuple):
+            return len(other) == self._length and self.values == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.values)
+
+    def __repr__(self) -> str:
+        return repr(self.values)
 
 
 class Node:
@@ -210,12 +255,10 @@ class RadixCache:
         else:
             self._locks[named] = held - 1
 
-    def evict(self, num_tokens: int) -> tuple[int, ...]:
+    def evict(self, num_tokens: int) -> Sequence[int]:
         if type(num_tokens) is not int or num_tokens < 0:
             raise InvalidOperation(f"cannot evict {num_tokens!r} tokens")
-        heap, count = self._heap, 0
-        answer: tuple[int, ...] = ()  # the values given up, deepest first: the first leaf's, then
-        joined: list[int] | None = None  # those of every leaf, joined as each is taken (its values at hand)
+        heap, count, runs = self._heap, 0, []
         while count < num_tokens and heap:
             last_use, _, node = heap[0]
             if node.parent is None or node.children or node.lock_ref or node.last_use != last_use:
@@ -223,13 +266,7 @@ class RadixCache:
                 continue
             wanted, start, end = num_tokens - count, node.start, node.end
             take = min(wanted + -wanted % self._page_size, end - start)  # whole pages
-            taken = node.stored[end - 1 : end - take - 1 if end - take else None : -1]
-            if count:
-                if joined is None:
-                    joined = list(answer)
-                joined += taken
-            else:
-                answer = taken
+            runs.append((node.stored, end - take, end))
             count += take
             self._total -= take
             if end - take > start:
@@ -244,7 +281,7 @@ class RadixCache:
             self._nodes_count -= 1
             if parent is not self._root:
                 self._push_if_evictable(parent)
-        return answer if joined is None else tuple(joined)
+        return EvictedValues(runs, count)
 
     def total_size(self) -> int:
         return self._total

@@ -129,7 +129,7 @@ class RadixPageManager:
         self._return(held.slots[held.cached : present])  # the duplicates
         self._return(held.slots[whole:])  # the partial last page (without keep: everything past the match)
 
-    def evict(self, num_tokens: int) -> tuple[int, ...]:
+    def evict(self, num_tokens: int) -> Sequence[int]:
         evicted = self._cache.evict(num_tokens)
         self._return_evicted(evicted)
         return evicted

@@ -143,7 +143,7 @@ protected_counts_every_lock = radix(
 class EvictsOneTokenPerCall(RadixCache):
     """Evicts at most one token however many were asked for."""
 
-    def evict(self, num_tokens: int) -> tuple[int, ...]:
+    def evict(self, num_tokens: int) -> Sequence[int]:
         return super().evict(min(num_tokens, 1) if isinstance(num_tokens, int) and num_tokens >= 0 else num_tokens)
 
 

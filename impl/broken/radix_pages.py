@@ -69,7 +69,7 @@ frees_last_full_page = pages(
 class TrimsTokens(RadixCache):
     """Eviction trims a leaf by the tokens still wanted, as a tree of page size 1 would."""
 
-    def evict(self, num_tokens: int) -> tuple[int, ...]:
+    def evict(self, num_tokens: int) -> Sequence[int]:
         page_size, self._page_size = self._page_size, 1
         try:
             return super().evict(num_tokens)
