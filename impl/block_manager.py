@@ -14,6 +14,7 @@ reference count once an append, and otherwise sees the same calls in the same or
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
@@ -167,11 +168,11 @@ class BlockManager:
 
     def snapshot(self) -> ManagerState:
         pool = self._pool.snapshot()
-        contents = {
-            b: tuple(c)
-            for b, c in enumerate(self._contents)
-            if pool.refcounts[b] > 0 or pool.block_hashes[b] is not None
-        }
+        # the blocks in use or cached, found in C: a count above zero, or a hash (a pool holds mostly neither)
+        cached = map(operator.is_not, pool.block_hashes, itertools.repeat(None))
+        in_use = map(operator.gt, pool.refcounts, itertools.repeat(0))
+        live = itertools.compress(range(len(self._contents)), map(operator.or_, in_use, cached))
+        contents = {b: tuple(self._contents[b]) for b in live}
         return ManagerState(
             block_size=self._block_size,
             pool=pool,

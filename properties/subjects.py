@@ -112,3 +112,54 @@ def refusal_views(subjects: list[Subject]) -> tuple[object, ...]:
 
 def compared(views: tuple[object, ...]) -> object:
     return views[0] if len(views) == 1 else views
+
+
+class HeldGroups:
+    """The values each group of rules last held on, and the calls made by then.
+
+    A group judged again before another call, on equal values, answers as it did -- its rules are pure
+    predicates -- so it is not evaluated again (a scheduler's state, judged after its step and again at the
+    step's end).  Only values are remembered: a frozen record (a snapshot, which a correct implementation
+    never changes once answered) or a scalar; a ledger, a list or a dict may change in place, and a group
+    given one is evaluated every time.  A group that failed is not remembered.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[object, int, tuple[Any, ...]]] = {}  # id of a group -> it, calls made, values
+
+    def held(self, group: object, calls: int, args: tuple[Any, ...]) -> bool:
+        last = self._held.get(id(group))
+        return last is not None and last[0] is group and last[1] == calls and last[2] == args
+
+    def record(self, group: object, calls: int, args: tuple[Any, ...]) -> None:
+        if values(args):
+            self._held[id(group)] = (group, calls, args)
+
+
+_VALUE_TYPES: dict[type, bool] = {kind: True for kind in (int, float, str, bool, type(None))}
+
+
+def values(args: tuple[Any, ...]) -> bool:
+    """Whether every one of ``args`` is a value: an immutable scalar, or a frozen attrs record -- a snapshot, which
+    a correct implementation never changes once answered.  A ledger, a list or a dict may change in place."""
+    for arg in args:
+        kind = type(arg)
+        known = _VALUE_TYPES.get(kind)
+        if known is None:
+            known = _VALUE_TYPES[kind] = _frozen_record(arg)
+        if not known:
+            return False
+    return True
+
+
+def _frozen_record(record: object) -> bool:
+    """Whether ``record`` is an instance of a frozen attrs class (setting a field, to what it holds, is refused)."""
+    kind: Any = type(record)
+    fields = attrs.fields(kind) if attrs.has(kind) else ()
+    if not fields:
+        return False
+    try:
+        setattr(record, fields[0].name, getattr(record, fields[0].name))
+    except attrs.exceptions.FrozenInstanceError:
+        return True
+    return False

@@ -81,8 +81,10 @@ its holders, which every machine with a pool checks):
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import Counter
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -169,7 +171,7 @@ def eviction_order(pool: Pool) -> tuple[int, ...]:
     """The free blocks, the one to hand out first at the head."""
     if pool.policy == "lru":
         return pool.lru
-    return tuple(sorted(pool.lru, key=lambda block: pool.uses[block]))  # stable: LRU ties
+    return tuple(sorted(pool.lru, key=pool.uses.__getitem__))  # stable: LRU ties
 
 
 def abstract(pool: Pool) -> PoolState:
@@ -296,37 +298,46 @@ def evict(pool: Pool, n: int) -> tuple[Pool, tuple[int, ...]]:
 # -- invariants over snapshots ---------------------------------------------------
 
 
+def blocks_where(flags: Iterable[object]) -> Iterator[int]:
+    """The blocks whose flag (one a block, in block order) is true: a scan in C, as every step scans the pool."""
+    return itertools.compress(itertools.count(), flags)
+
+
+def in_use(refcounts: Sequence[int]) -> Iterator[int]:
+    """The blocks of positive count."""
+    return blocks_where(map(operator.gt, refcounts, itertools.repeat(0)))
+
+
 @invariant(
     "a block missing from the queue is lost for good; one queued twice or while in use is handed out twice", "safety"
 )
 def invariant_free_queue_exact(state: PoolState) -> str | None:
-    counts = Counter(state.free_queue)
-    twice = sorted(b for b, c in counts.items() if c > 1)
-    if twice:
+    queued = set(state.free_queue)
+    if len(queued) != len(state.free_queue):
+        twice = sorted(b for b, c in Counter(state.free_queue).items() if c > 1)
         return f"blocks {twice} are queued more than once"
-    zero = {b for b, r in enumerate(state.refcounts) if r == 0}
-    if set(counts) != zero:
-        in_use = sorted(set(counts) - zero)
-        missing = sorted(zero - set(counts))
-        return f"queued but in use: {in_use}; free but not queued: {missing}"
+    zero = set(blocks_where(map(operator.not_, state.refcounts)))
+    if queued != zero:
+        return f"queued but in use: {sorted(queued - zero)}; free but not queued: {sorted(zero - queued)}"
     return None
 
 
 @invariant("blocks are neither created nor destroyed: used + free must always equal capacity", "safety")
 def invariant_capacity_conserved(state: PoolState) -> str | None:
-    used = sum(1 for r in state.refcounts if r > 0)
-    if len(state.refcounts) != state.capacity or any(r < 0 for r in state.refcounts):
-        return f"{len(state.refcounts)} reference counts for capacity {state.capacity}: {state.refcounts}"
-    if used + len(state.free_queue) != state.capacity:
-        return f"used {used} + free {len(state.free_queue)} != capacity {state.capacity}"
-    if any(not 0 <= b < state.capacity for b in state.free_queue):
-        return f"free queue names blocks outside the pool: {state.free_queue}"
+    refcounts, queue = state.refcounts, state.free_queue
+    if len(refcounts) != state.capacity or (refcounts and min(refcounts) < 0):
+        return f"{len(refcounts)} reference counts for capacity {state.capacity}: {refcounts}"
+    used = len(refcounts) - refcounts.count(0)
+    if used + len(queue) != state.capacity:
+        return f"used {used} + free {len(queue)} != capacity {state.capacity}"
+    if queue and not (0 <= min(queue) and max(queue) < state.capacity):
+        return f"free queue names blocks outside the pool: {queue}"
     return None
 
 
 @invariant("a block in use that nobody holds can never be freed: memory leaks until restart", "safety")
 def invariant_no_leak(state: PoolState, holders: Mapping[int, int]) -> str | None:
-    leaked = sorted(b for b, r in enumerate(state.refcounts) if r > 0 and holders.get(b, 0) == 0)
+    leaked = [b for b in in_use(state.refcounts) if holders.get(b, 0) == 0]
     if leaked:
         return f"blocks {leaked} are in use but no one holds them"
     return None
@@ -337,9 +348,12 @@ def invariant_refcount_matches_holders(state: PoolState, holders: Mapping[int, i
     outside = sorted(b for b in holders if not 0 <= b < len(state.refcounts))
     if outside:
         return f"blocks {outside} are held but are not blocks of this pool"
-    wrong = {b: (r, holders.get(b, 0)) for b, r in enumerate(state.refcounts) if r != holders.get(b, 0)}
+    held = [0] * len(state.refcounts)
+    for block, references in holders.items():
+        held[block] = references
+    wrong = list(blocks_where(map(operator.ne, state.refcounts, held)))
     if wrong:
-        return ", ".join(f"block {b}: count {r}, held {h}" for b, (r, h) in sorted(wrong.items()))
+        return ", ".join(f"block {b}: count {state.refcounts[b]}, held {held[b]}" for b in wrong)
     return None
 
 
@@ -356,7 +370,7 @@ def invariant_hash_map_consistent(state: PoolState) -> str | None:
                 return f"hash map names block {block} for a hash the block does not carry"
     if len(set(listed)) != len(listed):
         return f"the hash map names one block twice: {dict(state.cached)}"
-    carried = {b for b, h in enumerate(state.block_hashes) if h is not None}
+    carried = set(blocks_where(map(operator.is_not, state.block_hashes, itertools.repeat(None))))
     if carried != set(listed):
         return f"blocks {sorted(carried - set(listed))} carry a hash the map does not list"
     return None
@@ -390,9 +404,11 @@ def invariant_counts_match_snapshot(state: PoolState, num_free: int, refcounts: 
     """``num_free`` and ``refcounts`` are what ``num_free()`` and ``refcount(b)`` for every block answered."""
     if num_free != state.num_free:
         return f"num_free() answers {num_free}, the snapshot queues {state.num_free} free blocks"
-    wrong = [b for b, (r, s) in enumerate(zip(refcounts, state.refcounts, strict=True)) if r != s]
-    if wrong:
-        return f"refcount({wrong[0]}) answers {refcounts[wrong[0]]}, the snapshot counts {state.refcounts[wrong[0]]}"
+    if len(refcounts) != len(state.refcounts):
+        raise ValueError(f"{len(refcounts)} answers of refcount() for {len(state.refcounts)} blocks")
+    wrong = next(blocks_where(map(operator.ne, refcounts, state.refcounts)), None)
+    if wrong is not None:
+        return f"refcount({wrong}) answers {refcounts[wrong]}, the snapshot counts {state.refcounts[wrong]}"
     return None
 
 
@@ -403,11 +419,8 @@ def invariant_in_use_never_reclaimed(before: PoolState, after: PoolState, reclai
         return f"blocks {busy} were in use yet handed out or evicted"
     if len(set(reclaimed)) != len(reclaimed):
         return f"the same block was handed out twice in {list(reclaimed)}"
-    lost = [
-        b
-        for b, r in enumerate(before.refcounts)
-        if r > 0 and before.block_hashes[b] is not None and after.block_hashes[b] != before.block_hashes[b]
-    ]
+    hashes = before.block_hashes
+    lost = [b for b in in_use(before.refcounts) if hashes[b] is not None and after.block_hashes[b] != hashes[b]]
     if lost:
         return f"in-use blocks {lost} lost their cached hash"
     return None
