@@ -259,7 +259,7 @@ class LockstepMachine(RuleBasedStateMachine):
         counted = self._counts(rule)
         if not counted and not against_model:
             return
-        problem = rule(*args)
+        problem = rule.check(*args)
         if against_model and problem is not None:  # an answer that differs parts the model, counted or not
             self._part("the implementation answered otherwise than the model")
         if not counted:

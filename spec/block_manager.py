@@ -167,12 +167,14 @@ def check_tokens(tokens: object, *, allow_empty: bool) -> tuple[int, ...]:
     """Token ids are non-negative integers; a prompt has at least one."""
     if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
         raise InvalidOperation(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
-    for token in tokens:
-        if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0:
-            raise InvalidOperation(f"token {token!r} is not a non-negative integer id")
+    plain = isinstance(tokens, list | tuple) and set(map(type, tokens)) <= {int}  # the common case, scanned in C
+    if not plain or (tokens and min(tokens) < 0):
+        for token in tokens:
+            if not isinstance(token, numbers.Integral) or isinstance(token, bool) or token < 0:
+                raise InvalidOperation(f"token {token!r} is not a non-negative integer id")
     if not tokens and not allow_empty:
         raise InvalidOperation("a prompt needs at least one token")
-    return tuple(int(t) for t in tokens)
+    return tuple(tokens) if plain else tuple(int(t) for t in tokens)
 
 
 def new_manager(pool: Pool, block_size: int, conventions: ManagerConventions = REFERENCE.manager) -> Manager:

@@ -56,7 +56,7 @@ Tier = Literal["safety", "caller contract", "convention"]
 TIERS: tuple[Tier, ...] = ("safety", "caller contract", "convention")
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a rule keys the counts of every check a verdict makes
 class Invariant:
     """A rule of the spec: its name, layer, tier and why it exists; call it to evaluate it."""
 
