@@ -79,7 +79,7 @@ from kvspec.properties.findings import (
     violation_class,
 )
 from kvspec.properties.reserved import check_names
-from kvspec.properties.subjects import Answer, HeldGroups, Specs, Subject, compared, refusal_views, split_result
+from kvspec.properties.subjects import Answer, Specs, Subject, compared, refusal_views, split_result
 from kvspec.properties.transcript import AnsweredDifferently, Transcript
 from kvspec.spec.components import Operation, check_operation
 from kvspec.spec.errors import InvalidOperation, KVSpecError, verdict
@@ -157,7 +157,6 @@ class LockstepMachine(RuleBasedStateMachine):
         self._accepted_at: int | None = None  # calls made when the probed out-of-contract call was accepted
         self._called: set[str] = set()
         self._subjects: list[Subject] = []
-        self._held_groups = HeldGroups()
         self._transcript = Transcript(type(self)._answers)
         type(self).statistics.examples += 1
 
@@ -302,14 +301,8 @@ class LockstepMachine(RuleBasedStateMachine):
             event(f"model parted: {why}; checking safety alone from here")
 
     def check_group(self, group: Group, *args: Any) -> None:
-        """Every rule of ``group`` on ``args``, unless it held on these values since the last call (``HeldGroups``)."""
-        if self._held_groups.held(group, len(self._steps), args):
-            return
-        failures = len(self._failures)
         for rule, arguments in group.evaluations(*args):
             self.check(rule, *arguments)
-        if len(self._failures) == failures:
-            self._held_groups.record(group, len(self._steps), args)
 
     def check_invariants(self, settings: Settings, output: Callable[[str], object], runtimes: Any) -> None:
         """Hypothesis's end of a step: the machine's invariants, then the step's finding, if any, is filed."""
