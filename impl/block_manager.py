@@ -50,7 +50,9 @@ class BlockManager:
         self._pool = pool
         self._tables: dict[SeqId, list[int]] = {}
         self._tokens: dict[SeqId, list[int]] = {}
-        self._contents: list[list[int]] = [[] for _ in range(pool.capacity)]
+        # what each block's slots hold, immutable: a write gives its block a new run, so a block never handed out
+        # is the one empty run (a pool of many blocks costs no object per block)
+        self._contents: list[tuple[int, ...]] = [()] * pool.capacity
 
     @property
     def block_size(self) -> int:
@@ -83,7 +85,7 @@ class BlockManager:
         offset = len(self._tokens[seq]) % size
         if len(tokens) == 1 and offset and not self._needs_copy(seq):  # a decode step into its own partial block
             block = table[-1]
-            self._contents[block][offset:] = tokens
+            self._contents[block] = self._contents[block][:offset] + tokens
             self._tokens[seq] += tokens
             if offset + 1 == size:
                 self._block_filled(seq, len(table) - 1)
@@ -116,7 +118,7 @@ class BlockManager:
         group_holders = Counter(b for seq in seqs for b in self._tables[seq])
         dst.pool.share([mapping[b] for b, n in group_holders.items() for _ in range(n - 1)])
         for old, new in mapping.items():
-            dst._contents[new] = list(self._contents[old])
+            dst._contents[new] = self._contents[old]
         for seq in seqs:
             dst._tables[seq] = [mapping[b] for b in self._tables[seq]]
             dst._tokens[seq] = list(self._tokens[seq])
@@ -151,7 +153,7 @@ class BlockManager:
         for index, key, offset in plan:
             if index >= len(table):
                 table.append(next(fresh))
-            self._contents[table[index]] = list(contents[key][offset : offset + size])
+            self._contents[table[index]] = tuple(contents[key][offset : offset + size])
             tokens += self._contents[table[index]]
         return tuple((table[index], key, offset) for index, key, offset in plan)
 
@@ -172,7 +174,7 @@ class BlockManager:
         cached = map(operator.is_not, pool.block_hashes, itertools.repeat(None))
         in_use = map(operator.gt, pool.refcounts, itertools.repeat(0))
         live = itertools.compress(range(len(self._contents)), map(operator.or_, in_use, cached))
-        contents = {b: tuple(self._contents[b]) for b in live}
+        contents = {b: self._contents[b] for b in live}
         return ManagerState(
             block_size=self._block_size,
             pool=pool,
@@ -216,12 +218,12 @@ class BlockManager:
             offset = length % size
             if offset == 0:
                 (block,) = self._pool.allocate(1)
-                self._contents[block] = []
+                self._contents[block] = ()
                 table.append(block)
             block = table[-1]
             taken = min(size - offset, count - done)
             run = tokens[done : done + taken]
-            self._contents[block][offset:] = run
+            self._contents[block] = self._contents[block][:offset] + tuple(run)
             written += run
             if taken == 1:  # a decode step
                 slots.append((block, offset))

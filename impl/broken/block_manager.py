@@ -111,7 +111,7 @@ class CopiesFullBlocksAtFork(CopyingForkBlockManager):
         table = super()._fork_table(parent)
         for index in range(min(len(self._tokens[parent]) // self._block_size, self._pool.num_free())):
             (copy,) = self._pool.allocate(1)
-            self._contents[copy] = list(self._contents[table[index]])
+            self._contents[copy] = self._contents[table[index]]
             self._pool.release([table[index]])
             table[index] = copy
         return table
