@@ -327,7 +327,7 @@ def invariant_capacity_conserved(state: PoolState) -> str | None:
     refcounts, queue = state.refcounts, state.free_queue
     if len(refcounts) != state.capacity or (refcounts and min(refcounts) < 0):
         return f"{len(refcounts)} reference counts for capacity {state.capacity}: {refcounts}"
-    used = len(refcounts) - refcounts.count(0)
+    used = sum(map(bool, refcounts))
     if used + len(queue) != state.capacity:
         return f"used {used} + free {len(queue)} != capacity {state.capacity}"
     if queue and not (0 <= min(queue) and max(queue) < state.capacity):
