@@ -8,7 +8,8 @@ empty machine (two rules that do nothing) and each machine of ``kvspec.propertie
 reference, as ``kvspec check`` runs it (``running.run_machine``), the two alternating, ``--rounds`` times
 each.  Every kvspec module is loaded first, as ``kvspec check`` loads them, so that the examples drawn are
 the verdict's own.  A step is one rule Hypothesis executed (initialize rules too), counted at the end of each
-step (``check_invariants``); time is this process's CPU seconds, the lowest round of each side.
+step (``check_invariants``); time is this process's CPU seconds, a machine's lowest round, and the runner's
+lowest over every round of the whole run (it is one machine: each round bounds its cost).
 
 A machine's step is parted three ways:
 
@@ -29,6 +30,7 @@ CPU seconds, not wall time: other work on the machine leaves them nearly as they
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 import weakref
@@ -36,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import attrs
 from hypothesis import Phase
 from hypothesis import settings as Settings
 from hypothesis.internal.conjecture.data import ConjectureData
@@ -136,9 +139,21 @@ def drawing_fraction(run: Callable[[], object]) -> float:
     return spent[0] / seconds if seconds else 0.0
 
 
-def measure(title: str, machine: type[harness.LockstepMachine], rounds: int, base: Settings) -> dict[str, Any]:
-    """One machine against the reference and the empty machine, alternating: the lowest CPU per step of each,
-    parted into the runner's, the draws' and kvspec's."""
+@attrs.frozen
+class Measured:
+    """One machine's run, and the empty machine's runs beside it: CPU seconds a step, and the fraction drawing."""
+
+    title: str
+    steps: int
+    machine_cost: float
+    machine_drawing: float
+    runner_costs: tuple[float, ...]
+    runner_drawing: float
+
+
+def measure(title: str, machine: type[harness.LockstepMachine], rounds: int, base: Settings) -> Measured:
+    """One machine against the reference and the empty machine, alternating; then each once more, its draws
+    timed."""
     reference = loading.load_implementation(loading.REFERENCE)
 
     def empty() -> None:
@@ -151,15 +166,21 @@ def measure(title: str, machine: type[harness.LockstepMachine], rounds: int, bas
     for _ in range(rounds):
         empties.append(cpu_per_step(EmptyMachine, empty))
         locksteps.append(cpu_per_step(harness.LockstepMachine, lockstep))
-    runner_cost = min(per_step for _, per_step in empties)
     steps, machine_cost = min(locksteps, key=lambda measured: measured[1])
-    empty_draws = drawing_fraction(empty) * runner_cost
-    draws_cost = max(drawing_fraction(lockstep) * machine_cost - empty_draws, 0.0)
+    runner_costs = tuple(per_step for _, per_step in empties)
+    return Measured(title, steps, machine_cost, drawing_fraction(lockstep), runner_costs, drawing_fraction(empty))
+
+
+def parted(measured: Measured, runner_cost: float, runner_drawing: float) -> dict[str, Any]:
+    """A machine's step parted into the runner's (the lowest empty step of the whole run: the runner is one
+    machine, and every round of it bounds its cost), the draws' and kvspec's."""
+    machine_cost = measured.machine_cost
+    draws_cost = max(measured.machine_drawing * machine_cost - runner_drawing * runner_cost, 0.0)
     hypothesis_cost = runner_cost + draws_cost
     kvspec_cost = max(machine_cost - hypothesis_cost, 0.0)
     return {
-        "machine": title,
-        "steps": steps,
+        "machine": measured.title,
+        "steps": measured.steps,
         "steps_per_cpu_second": 1 / machine_cost,
         "runner_us_per_step": runner_cost * 1e6,
         "draws_us_per_step": draws_cost * 1e6,
@@ -188,11 +209,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     loading.import_every_module()  # Hypothesis draws constants from every loaded module (see that function)
     base = Settings.get_profile(PROFILE)
-    rows = []
+    runs = []
     with profiles.hypothesis_files_in_cache():  # as ``kvspec check``: no .hypothesis/ in the working directory
         for title, machine in chosen_machines(args.machine):
             print(f"step share: {title} ...", file=sys.stderr, flush=True)
-            rows.append(measure(title, machine, args.rounds, base))
+            runs.append(measure(title, machine, args.rounds, base))
+    runner_cost = min(cost for run in runs for cost in run.runner_costs)
+    runner_drawing = statistics.median(run.runner_drawing for run in runs)
+    rows = [parted(run, runner_cost, runner_drawing) for run in runs]
     if args.json:
         emit_json({"profile": PROFILE, "target": TARGET, "machines": rows})
         return 0
