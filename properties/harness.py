@@ -114,6 +114,27 @@ class Statistics:
     operations: Counter[str] = attrs.field(factory=Counter)  # examples in which each operation was called
 
 
+@attrs.frozen
+class GroupPlan:
+    """How one binding evaluates a group: the rules it counts (with each one's arity and whether it is a safety
+    rule), the included groups' plans, and whether any rule of the group, counted or not, is a safety rule (the
+    arguments are then searched for a model, as ``check`` searches them)."""
+
+    group: Group
+    counted: tuple[tuple[Invariant, int, bool], ...]
+    parts: tuple[tuple[GroupPlan, Callable[..., tuple[Any, ...]]], ...]
+    safety: bool
+
+    @classmethod
+    def of(cls, group: Group, counts: Callable[[Invariant], bool]) -> GroupPlan:
+        return cls(
+            group,
+            tuple((rule, rule.arity, rule.tier == "safety") for rule in group.members if counts(rule)),
+            tuple((cls.of(part, counts), view) for part, view in group.parts),
+            any(rule.tier == "safety" for rule in group.members),
+        )
+
+
 class LockstepMachine(RuleBasedStateMachine):
     """Base of every conformance machine; see the module docstring.
 
@@ -144,6 +165,7 @@ class LockstepMachine(RuleBasedStateMachine):
     # What a bound machine asks at every step and whose answer its binding fixes, answered once per binding:
     _offered: ClassVar[dict[tuple[str, Operation], bool]] = {}  # (kind, operation) -> offered (``offers``)
     _counted: ClassVar[dict[int, tuple[Invariant, bool]]] = {}  # id of a rule -> the rule, and whether it counts
+    _plans: ClassVar[dict[int, GroupPlan]] = {}  # id of a group -> how this binding evaluates it (``check_group``)
 
     def __init__(self) -> None:
         super().__init__()
@@ -196,6 +218,7 @@ class LockstepMachine(RuleBasedStateMachine):
             "_unoffered": implementation.rules_not_offered(),
             "_offered": {},
             "_counted": {},
+            "_plans": {},
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
         }
@@ -232,6 +255,12 @@ class LockstepMachine(RuleBasedStateMachine):
         subject = Subject(self, name, spec, model, impl, **options)
         self._subjects.append(subject)
         return subject
+
+    @property
+    def calls(self) -> int:
+        """The calls this example has sent so far (each counted as it is sent): a state read twice at one count,
+        with nothing called in between, is read of one state."""
+        return len(self._steps)
 
     def record(self, text: str) -> None:
         self._steps.append(text)
@@ -301,8 +330,30 @@ class LockstepMachine(RuleBasedStateMachine):
             event(f"model parted: {why}; checking safety alone from here")
 
     def check_group(self, group: Group, *args: Any) -> None:
-        for rule, arguments in group.evaluations(*args):
-            self.check(rule, *arguments)
+        """Every rule of ``group`` on ``args``, as ``check`` evaluates each; a machine checks a layer's group at
+        every step, so what ``check`` asks of each rule is answered once per binding (``GroupPlan``)."""
+        plan = self._plans.get(id(group))
+        if plan is None or plan.group is not group:
+            plan = self._plans[id(group)] = GroupPlan.of(group, self._counts)
+        self._evaluate(plan, args)
+
+    def _evaluate(self, plan: GroupPlan, args: tuple[Any, ...]) -> None:
+        if plan.safety and self._holds_a_model(args):  # rule by rule: ``check`` names the safety rule handed it
+            for rule, arguments in plan.group.evaluations(*args):
+                self.check(rule, *arguments)
+            return
+        parted = self._parted
+        statistics = type(self).statistics
+        counts = statistics.checks_after_known if parted else statistics.checks
+        for rule, arity, safety in plan.counted:
+            if parted and not safety:
+                continue
+            problem = rule.check(*args[:arity])
+            counts[rule] += 1
+            if problem is not None:
+                self._failures.append(Failure(rule, problem, ""))
+        for part, view in plan.parts:
+            self._evaluate(part, view(*args))
 
     def check_invariants(self, settings: Settings, output: Callable[[str], object], runtimes: Any) -> None:
         """Hypothesis's end of a step: the machine's invariants, then the step's finding, if any, is filed."""

@@ -184,6 +184,8 @@ class SchedulerMachineBase(LockstepMachine):
         self.fit_alone = True  # every request the implementation accepted fits the GPU alone, by the caller's sums
         self.bounded = self.policy == "fcfs"  # the deadline holds under fcfs while every request arrives ready
         self.in_flight: dict[int, tuple[str, frozenset[int]]] = {}  # transfers: direction, blocks when they began
+        self.read: SchedulerState  # its state, read at ``read_at`` calls (``state``)
+        self.read_at = self.checked_at = -1  # the count of calls at its last read, and when its rules were checked
 
     def device(self, capacity: int, block_size: int) -> Any:
         """One device's block manager, as the scheduler under test gets it."""
@@ -221,7 +223,7 @@ class SchedulerMachineBase(LockstepMachine):
 
     def accepted(self, request: Request) -> None:
         """The implementation took ``request``: its deadline counts from the implementation's own state now."""
-        state = self.scheduler.impl.snapshot()
+        state = self.state()
         self.arrivals[request.request_id] = (state.steps, len(state.groups))
         self.longest = max(self.longest, request.max_new_tokens)
         gpu_blocks, _, block_size = self.sizes
@@ -230,9 +232,15 @@ class SchedulerMachineBase(LockstepMachine):
         self.bounded = self.bounded and self.fit_alone and request.ready and not transfers
         event("arrival accepted" if request.ready else "arrival accepted, not ready")
 
-    def stepped(self, before: SchedulerState, report: StepReport) -> None:
-        after = self.scheduler.impl.snapshot()
-        self.check_state(after)
+    def state(self) -> SchedulerState:
+        """The implementation's state, read once between two calls: this machine changes it by calls alone."""
+        if self.read_at != self.calls:
+            self.read, self.read_at = self.scheduler.impl.snapshot(), self.calls
+        return self.read
+
+    def stepped(self, before: SchedulerState, report: StepReport) -> SchedulerState:
+        """The step's rules, and the state after it (its rules checked)."""
+        after = self.check_state()
         # the oldest is safe from preemption under fcfs when it fits alone and no transfer holds blocks it may need
         if self.policy == "fcfs" and self.fit_alone and not kv_transfer.transfers_in_flight(before):
             self.check(preemption.invariant_oldest_never_preempted, before, report)
@@ -252,6 +260,7 @@ class SchedulerMachineBase(LockstepMachine):
             if any(ranks[victim][1] < ranks[rid][1] for rid, _ in report.granted):
                 event("victim arrived before a request that kept its grant")
         self.preemptions.update(how for _, how in report.preempted)
+        return after
 
     def partly_finished(self, before: SchedulerState, after: SchedulerState, report: StepReport) -> None:
         """Events of groups whose samples finish apart: decoding with some finished, preempted, resumed."""
@@ -266,7 +275,12 @@ class SchedulerMachineBase(LockstepMachine):
             if rid in partly:
                 event(f"partly finished group resumed from {was.get(rid, 'waiting')}")
 
-    def check_state(self, state: SchedulerState) -> None:
+    def check_state(self) -> SchedulerState:
+        """The implementation's state now, its rules checked once between two calls."""
+        state = self.state()
+        if self.checked_at == self.calls:
+            return state
+        self.checked_at = self.calls
         self.check_group(preemption.STATE, state)
         self.check(sample_groups.invariant_finished_sample_holds_nothing, state)
         # the blocks each transfer began on, as the implementation placed them
@@ -280,6 +294,7 @@ class SchedulerMachineBase(LockstepMachine):
         if self.bounded:
             deadlines = {rid: preemption.deadline(after, k, self.longest) for rid, (after, k) in self.arrivals.items()}
             self.check(preemption.invariant_finishes_within_bound, state, deadlines)
+        return state
 
     def teardown(self) -> None:
         if hasattr(self, "scheduler"):
@@ -440,7 +455,7 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
 
     def step(self, count: int) -> None:
         for _ in range(count):
-            before, spec_before = self.scheduler.impl.snapshot(), self.scheduler.model
+            before, spec_before = self.state(), self.scheduler.model
             self.plans.clear()
             answer = self.scheduler("step", judged_by=None)
             if answer is None:
@@ -449,9 +464,8 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
             if self.plans:  # what the scheduler's own manager supplied the step's admissions, beside its report
                 self.check(admission.invariant_hits_probed_at_admission, answered(self.plans), report.cached_tokens)
             self.check(invariant_result_matches_spec, answer.expected, report)
-            self.stepped(before, report)
-            expected = kv_transfer.abstract(self.scheduler.model)
-            self.check(invariant_scheduler_refines_spec, self.scheduler.impl.snapshot(), expected)
+            after = self.stepped(before, report)
+            self.check(invariant_scheduler_refines_spec, after, kv_transfer.abstract(self.scheduler.model))
             self.reached(spec_before, self.scheduler.model, report)
             self.admitted.update(report.admitted)
             for _, cached in report.cached_tokens:
@@ -470,8 +484,8 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
             rid, then = self.stopped_at
             waiting = next((g for g in before.groups if g.request.request_id == rid and g.location == "waiting"), None)
             attempted = rid in report.admitted or (stop is not None and stop.request.request_id == rid)
-            probed = preemption.decode_phase(before)[0]  # admission probes after the step's decode phase
-            if waiting and attempted and cached_blocks(probed, waiting) != then:
+            # admission probes after the step's decode phase
+            if waiting and attempted and cached_blocks(preemption.decode_phase(before)[0], waiting) != then:
                 event("retried a refused admission after its cached blocks changed")
         if (
             stop is not None
@@ -479,7 +493,7 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
             and all(rid != stop.request.request_id for rid, _ in report.preempted)
         ):
             self.stopped_at = (stop.request.request_id, cached_blocks(after, stop))
-        if victims_with_grants(before) & {rid for rid, _ in report.preempted}:
+        if report.preempted and victims_with_grants(before) & {rid for rid, _ in report.preempted}:
             event("a grant taken from a victim")
 
     @rule(index=st.integers(0, 8))
@@ -504,7 +518,7 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
         event(f"{direction} ended {outcome}" + ("" if owner else " after its request was aborted"))
         if direction == "load" and outcome != "done":
             event("a load failed or moved nothing")
-        self.check(kv_transfer.invariant_failed_load_recomputes, rid, outcome, self.scheduler.impl.snapshot())
+        self.check(kv_transfer.invariant_failed_load_recomputes, rid, outcome, self.state())
 
     def unfinished(self, index: int, ready: bool | None = None) -> int:
         """The index-th unfinished request (of the given readiness), or the index itself as an id."""
@@ -513,8 +527,9 @@ class LockstepSchedulerMachine(SchedulerMachineBase):
 
     @invariant()
     def matches_model(self) -> None:
-        state = self.scheduler.impl.snapshot()
-        self.check_state(state)
+        if self.checked_at == self.calls:  # a step checked this very state, and its refinement
+            return
+        state = self.check_state()
         self.check(invariant_scheduler_refines_spec, state, kv_transfer.abstract(self.scheduler.model))
 
 
@@ -682,7 +697,7 @@ class DeadlockFreedomMachine(SchedulerMachineBase):
 
     def step(self, count: int) -> None:
         for _ in range(count):
-            before = self.scheduler.impl.snapshot()
+            before = self.state()
             answer = self.scheduler("step")
             if answer is None:
                 return
