@@ -78,10 +78,12 @@ BELOW_TARGET: dict[str, str] = {  # the beginning of "area: measure" -> why the 
     "step share: paged attention logits": "each step runs the tiny model's forward twice, through the paged cache and "
     "through the contiguous twin: the numbers the rule compares are computed in the step",
     "step share: scheduler: paged = contiguous logits": "each scheduler iteration runs the tiny model's forward "
-    "twice (paged, and the contiguous twin), and one Hypothesis step drives several iterations",
-    "step share: scheduler": "one Hypothesis step drives several scheduler iterations (a step rule 1 to 6, an "
-    "arrival burst then up to 3, an opening up to 8), each a call in lockstep with the model and its state's rules "
-    "(30 to 70 evaluations) judged after it",
+    "twice (paged, and the contiguous twin), and one Hypothesis step drives several iterations (the opening, one "
+    "step of Hypothesis's, up to 8 x the block size + 2: about two fifths of kvspec's ticks)",
+    "step share: scheduler": "one Hypothesis step drives several scheduler iterations (a step rule 1 to 6, 1 to 30 "
+    "in the deadlock machine's long runs; an arrival burst then up to 3; the swap machines' opening up to 8 x the "
+    "block size + 2), each a call in lockstep with the model and its state's rules (30 to 70 "
+    "evaluations) judged after it",
 }
 
 

@@ -50,12 +50,13 @@ def _grouped(queries: np.ndarray, kv_heads: int) -> np.ndarray:
 def contiguous_attention(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> np.ndarray:
     """Causal softmax attention; query i sits at position start + i of keys [length, kv_heads, d]."""
     grouped = _grouped(queries, keys.shape[1])
-    scores = np.einsum("ngqd,lgd->ngql", grouped, keys) / np.sqrt(keys.shape[-1])
+    # [n, g, q, d] @ [g, d, length] and, below, [n, g, q, length] @ [g, length, d]: a matrix product per KV head
+    scores = grouped @ keys.transpose(1, 2, 0) / np.sqrt(keys.shape[-1])
     visible = np.arange(keys.shape[0])[None, :] <= (start + np.arange(len(queries)))[:, None]
     scores = np.where(visible[:, None, None, :], scores, -np.inf)
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     weights /= weights.sum(axis=-1, keepdims=True)
-    return np.einsum("ngql,lgd->ngqd", weights, values).reshape(queries.shape)
+    return (weights @ values.transpose(1, 0, 2)).reshape(queries.shape)
 
 
 def merge_block(state: OnlineState, scores: np.ndarray, values: np.ndarray) -> OnlineState:
@@ -173,8 +174,9 @@ def block_tiles(
 
     def gather(blocks: np.ndarray, buffer: np.ndarray, columns: np.ndarray) -> np.ndarray:
         tile = buffer[: columns.size * blocks[0].size].reshape(columns.shape + blocks.shape[1:])
-        np.take(blocks, columns, axis=0, out=tile, mode="clip")  # checked above; "raise" copies out again
-        return np.moveaxis(tile, 3, 0).reshape(kv_heads, len(columns), -1, dim)
+        blocks.take(columns, axis=0, out=tile, mode="clip")  # checked above; "raise" copies out again
+        # [sequences, blocks, B, kv_heads, d] -> [kv_heads, sequences, blocks * B, d]
+        return tile.transpose(3, 0, 1, 2, 4).reshape(kv_heads, len(columns), -1, dim)
 
     def read(first: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         column = first // block_size

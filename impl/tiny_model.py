@@ -49,8 +49,11 @@ def _rms_norm(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.add.reduce(x * x, axis=-1, keepdims=True) / x.shape[-1] + 1e-6)
 
 
-def _positions(positions: np.ndarray, width: int) -> np.ndarray:
-    frequencies = 1.0 / 10000.0 ** (np.arange(0, width, 2) / width)
+def _frequencies(width: int) -> np.ndarray:
+    return 1.0 / 10000.0 ** (np.arange(0, width, 2) / width)
+
+
+def _positions(positions: np.ndarray, frequencies: np.ndarray) -> np.ndarray:
     angles = positions[:, None] * frequencies[None, :]
     return np.concatenate([np.sin(angles), np.cos(angles)], axis=-1)
 
@@ -81,6 +84,7 @@ class TinyModel:
             for _ in range(config.layers)
         ]
         self.unembedding = weight(d, config.vocab)
+        self.frequencies = _frequencies(d)  # of the sinusoidal positions, computed once
 
     def forward(self, cache: KVCache, batch: Batch) -> list[np.ndarray]:
         """Logits ``[len(tokens), vocab]`` for each ``(seq, tokens)``: the sequence's last positions.
@@ -100,12 +104,13 @@ class TinyModel:
             raise InvalidOperation(f"token ids must lie in 0..{config.vocab - 1}")
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, sizes, strict=True)])
         bounds = np.cumsum([0] + sizes)
-        x = self.embedding[tokens] + _positions(positions.astype(np.float64), config.d_model)
+        x = self.embedding[tokens] + _positions(positions.astype(np.float64), self.frequencies)
+        head_dim = config.head_dim
         for layer, weights in enumerate(self.layers):
             h = _rms_norm(x)
-            queries = (h @ weights["q"]).reshape(len(h), config.heads, config.head_dim)
-            keys = (h @ weights["k"]).reshape(len(h), config.kv_heads, config.head_dim)
-            values = (h @ weights["v"]).reshape(len(h), config.kv_heads, config.head_dim)
+            queries = (h @ weights["q"]).reshape(len(h), config.heads, head_dim)
+            keys = (h @ weights["k"]).reshape(len(h), config.kv_heads, head_dim)
+            values = (h @ weights["v"]).reshape(len(h), config.kv_heads, head_dim)
             views = []
             for (seq, _), lo, hi in zip(batch, bounds[:-1], bounds[1:], strict=True):
                 cache.write(seq, layer, keys[lo:hi], values[lo:hi])
