@@ -141,6 +141,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (root / f"{ADAPTER_MODULE}.py").write_text(ADAPTERS)
     (root / "a_directory").mkdir()
     (root / "cache").mkdir()
+    keep(root)  # a file from the start: a cache pointed at it must find a file, never make it a directory
 
     def tiny(profile: str) -> settings:
         return settings(
