@@ -218,7 +218,7 @@ def measure(title: str, machine: type[harness.LockstepMachine], rounds: int, bas
         ticks.update(sampled or {})
     steps, machine_cost = min(locksteps, key=lambda measured: measured[1])
     runner_costs = tuple(per_step for _, per_step in empties)
-    owners = dict(ticks) if sampled is not None else None
+    owners = dict(ticks) if hasattr(signal, "SIGPROF") else None
     return Measured(
         title, steps, machine_cost, drawing_fraction(lockstep), runner_costs, drawing_fraction(empty), owners
     )
@@ -264,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating (default 2)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     loading.import_every_module()  # Hypothesis draws constants from every loaded module (see that function)
     base = Settings.get_profile(PROFILE)
     runs = []
