@@ -149,6 +149,7 @@ def drawing_fraction(run: Callable[[], object]) -> float:
 
 
 TICK_S = 0.001  # asked of the CPU clock; the kernel's tick is the floor (4 ms at Linux's default 250 Hz)
+SAMPLED = hasattr(signal, "SIGPROF")  # the CPU clock's signal: Linux and macOS, not Windows
 
 
 def owner(frame: FrameType | None) -> str:
@@ -167,7 +168,7 @@ def owner(frame: FrameType | None) -> str:
 def sampling_owners() -> Iterator[Counter[str] | None]:
     """The ticks of this process's CPU clock while inside, by whose code each interrupted (``owner``); None
     where the platform has no ``SIGPROF``."""
-    if not hasattr(signal, "SIGPROF"):
+    if not SAMPLED:
         yield None
         return
     ticks: Counter[str] = Counter()
@@ -218,7 +219,7 @@ def measure(title: str, machine: type[harness.LockstepMachine], rounds: int, bas
         ticks.update(sampled or {})
     steps, machine_cost = min(locksteps, key=lambda measured: measured[1])
     runner_costs = tuple(per_step for _, per_step in empties)
-    owners = dict(ticks) if hasattr(signal, "SIGPROF") else None
+    owners = dict(ticks) if SAMPLED else None
     return Measured(
         title, steps, machine_cost, drawing_fraction(lockstep), runner_costs, drawing_fraction(empty), owners
     )
